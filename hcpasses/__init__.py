@@ -1,0 +1,1 @@
+"""hcpasses: a torch.compile backend whose graph passes rewrite hyper-connection (HC) blocks."""
