@@ -1,0 +1,110 @@
+"""The torch.compile backend: Inductor with the hcpasses pipeline as its post-grad pre pass.
+
+    be = hcpasses.backend(sp_rewrite=True, dump_dir="dumps")
+    compiled = torch.compile(model, backend=be)
+    compiled(x)
+    print(be.reports[-1])
+
+``torch.compile(model, backend="hcpasses")`` finds ``compile_with_defaults`` through the
+``torch_dynamo_backends`` entry point; its reports are on ``hcpasses.default_backend().reports``.
+
+Reports and Inductor's caches: the FX graph cache key includes ``PassManager.uuid()`` (package
+sources + flags), so a cached graph is always one our passes produced under the same config. On a
+cache hit no pass runs; the backend then reloads the report it stored when the graph was first
+compiled (keyed by the same uuid, the Dynamo graph's code and the input metadata) and marks it
+``cached``. With ``dump_dir`` set, caches are bypassed so every compile writes its dumps.
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import hashlib
+import logging
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.compile_fx import compile_fx
+
+from hcpasses.config import HCPassesConfig
+from hcpasses.graph_pass import GraphPass
+from hcpasses.manager import PIPELINE, PassManager
+from hcpasses.report import GraphReport
+
+log = logging.getLogger("hcpasses")
+
+
+def _input_signature(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"T({tuple(value.shape)},{tuple(value.stride())},{value.dtype},{value.device},{value.requires_grad})"
+    return repr(value)
+
+
+class HCPassesBackend:
+    """A ``torch.compile`` backend object; ``reports`` holds one ``GraphReport`` per compiled graph."""
+
+    def __init__(self, config: HCPassesConfig, passes: Sequence[GraphPass] = PIPELINE) -> None:
+        self.config = config
+        self.reports: list[GraphReport] = []
+        self.manager = PassManager(config, self._add_report, passes)
+        self._report_store = Path(tempfile.gettempdir()) / f"hcpasses_reports_{getpass.getuser()}"
+
+    def _add_report(self, report: GraphReport) -> None:
+        report.index = len(self.reports)
+        self.reports.append(report)
+        log.info("hcpasses report\n%s", report)
+
+    def inductor_config(self) -> dict[str, Any]:
+        patches: dict[str, Any] = {"post_grad_custom_pre_pass": self.manager}
+        if self.config.dump_dir:
+            patches["force_disable_caches"] = True  # a cache hit runs no pass and so writes no dump
+        return patches
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        seen = len(self.reports)
+        key = self._report_key(gm, example_inputs)
+        compiled = compile_fx(gm, list(example_inputs), config_patches=self.inductor_config())
+        fresh = self.reports[seen:]
+        if fresh:
+            self._store_reports(key, fresh)
+        else:
+            self._reload_reports(key)
+        return compiled
+
+    def _report_key(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+        text = "|".join([self.manager.uuid(), gm.code, *map(_input_signature, example_inputs)])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _store_reports(self, key: str, reports: list[GraphReport]) -> None:
+        self._report_store.mkdir(parents=True, exist_ok=True)
+        lines = "\n".join(report.to_json() for report in reports)
+        (self._report_store / f"{key}.jsonl").write_text(lines)
+
+    def _reload_reports(self, key: str) -> None:
+        path = self._report_store / f"{key}.jsonl"
+        stored = [GraphReport.from_json(line) for line in path.read_text().splitlines()] if path.exists() else []
+        if not stored:
+            stored = [GraphReport(index=-1)]
+        for report in stored:
+            report.cached = True
+            self._add_report(report)
+
+
+def backend(**flags: Any) -> HCPassesBackend:
+    """A backend object with these flags (see ``HCPassesConfig``); unknown flags raise ``ValueError``."""
+    return HCPassesBackend(HCPassesConfig.resolve(**flags))
+
+
+@functools.cache
+def default_backend() -> HCPassesBackend:
+    """The backend behind ``backend="hcpasses"``: default flags plus environment overrides."""
+    return backend()
+
+
+def compile_with_defaults(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """Entry point of the ``torch_dynamo_backends`` group: ``torch.compile(m, backend="hcpasses")``."""
+    return default_backend()(gm, example_inputs)

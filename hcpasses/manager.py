@@ -1,0 +1,108 @@
+"""The pass pipeline: the one place that shows which passes run, in which order, under which checks.
+
+Installed as Inductor's ``post_grad_custom_pre_pass`` (not the post pass: on CUDA Inductor has
+already rewritten softmax to ``prepare_softmax_online`` there and HC patterns stop matching). For
+every graph Inductor compiles it runs each registered pass whose flag is on, in ``PIPELINE`` order:
+
+    snapshot -> pass.run -> verify (lint + fake shape re-propagation) -> [dump the diff]
+                   \\ raises or fails verification: restore the snapshot, record why
+
+A pass that fails is rolled back and recorded, never a crash and never a half-rewritten graph. The
+report of each graph goes to ``on_report`` (the backend's ``reports`` list).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from hcpasses.cleanup import DeadCodeCleanup
+from hcpasses.config import PASS_NAMES, HCPassesConfig
+from hcpasses.dumps import GraphDump, graph_code
+from hcpasses.graph_pass import GraphPass
+from hcpasses.report import GraphReport, PassRecord
+from hcpasses.verify import GraphVerificationError, restore_graph, snapshot_graph, verify_graph
+
+log = logging.getLogger("hcpasses")
+
+# The registered passes. Adding a pass is one line here plus its flag in config.PASS_NAMES; the
+# manager runs them in config.PASS_NAMES order.
+PIPELINE: tuple[GraphPass, ...] = (DeadCodeCleanup(),)
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def source_hash() -> str:
+    """sha256 over every source file of the package, so any code change invalidates cached graphs."""
+    digest = hashlib.sha256()
+    for path in sorted(_PACKAGE_DIR.rglob("*.py")):
+        digest.update(str(path.relative_to(_PACKAGE_DIR)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class PassManager(CustomGraphPass):
+    """Runs the enabled passes on one post-grad graph at a time and reports what they did."""
+
+    def __init__(
+        self,
+        config: HCPassesConfig,
+        on_report: Callable[[GraphReport], None],
+        passes: Sequence[GraphPass] = PIPELINE,
+    ) -> None:
+        unknown = [p.name for p in passes if p.name not in PASS_NAMES]
+        if unknown:
+            raise ValueError(f"passes {unknown} have no flag; flags are: {', '.join(PASS_NAMES)}")
+        self.config = config
+        self.passes = {p.name: p for p in passes}
+        self.on_report = on_report
+        self._uuid = hashlib.sha256(
+            f"{source_hash()}|{config.describe()}|{[type(p).__qualname__ for p in passes]}".encode()
+        ).hexdigest()
+
+    def uuid(self) -> str:
+        return self._uuid
+
+    def __call__(self, graph: fx.Graph) -> None:
+        report = GraphReport(index=-1, num_nodes_before=len(graph.nodes))  # the backend numbers it
+        dump = GraphDump(self.config.dump_dir) if self.config.dump_dir else None
+        for order, name in enumerate(PASS_NAMES, start=1):
+            record = self._run_one(graph, name, order, dump)
+            report.passes.append(record)
+        report.num_nodes_after = len(graph.nodes)
+        self.on_report(report)
+        if dump is not None:
+            dump.write_index(report)
+
+    def _run_one(self, graph: fx.Graph, name: str, order: int, dump: GraphDump | None) -> PassRecord:
+        if not self.config.pass_enabled(name):
+            return PassRecord(name, "disabled", reason=f"flag {name}=False")
+        graph_pass = self.passes.get(name)
+        if graph_pass is None:
+            return PassRecord(name, "unavailable", reason="no pass of this name is registered in this version")
+        before = graph_code(graph)
+        snapshot = snapshot_graph(graph)
+        start = time.perf_counter()
+        try:
+            result = graph_pass.run(graph, self.config)
+            seconds = time.perf_counter() - start  # the pass alone, not the checks
+            verify_graph(graph)
+            after = graph_code(graph)
+            if after != before and not result.applied:
+                raise GraphVerificationError("the pass changed the graph but reported 0 rewrites")
+        except Exception as err:  # a failing pass must never fail the compile: roll it back
+            restore_graph(graph, snapshot)
+            reason = f"rolled back: {type(err).__name__}: {err}"
+            log.warning("hcpasses pass %s %s", name, reason)
+            return PassRecord(name, "rolled_back", seconds=time.perf_counter() - start, reason=reason)
+        status = "applied" if result.applied else "unchanged"
+        record = PassRecord(name, status, result.applied, seconds, result.reason, result.notes)
+        if after != before and dump is not None:
+            record.dump = dump.write_pass(order, name, before, after)
+        return record
