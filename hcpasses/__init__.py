@@ -1,9 +1,9 @@
 """hcpasses: a torch.compile backend whose graph passes rewrite hyper-connection (HC) blocks.
 
-    import hcpasses, torch
-    be = hcpasses.backend(sp_rewrite=True, gated_mean_quant=True, dump_dir="dumps")
-    out = torch.compile(model, backend=be)(x)
-    print(be.reports[-1])
+import hcpasses, torch
+be = hcpasses.backend(sp_rewrite=True, gated_mean_quant=True, dump_dir="dumps")
+out = torch.compile(model, backend=be)(x)
+print(be.reports[-1])
 """
 
 from hcpasses.backend import HCPassesBackend, backend, compile_with_defaults, default_backend

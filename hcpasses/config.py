@@ -56,9 +56,7 @@ class HCPassesConfig:
         if self.sp_min_tokens < 1:
             raise ValueError(f"hcpasses flag 'sp_min_tokens' must be an int >= 1, got {self.sp_min_tokens}")
         if self.dump_dir is not None and (not isinstance(self.dump_dir, str) or not self.dump_dir):
-            raise ValueError(
-                f"hcpasses flag 'dump_dir' must be a non-empty path string or None, got {self.dump_dir!r}"
-            )
+            raise ValueError(f"hcpasses flag 'dump_dir' must be a non-empty path string or None, got {self.dump_dir!r}")
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:

@@ -36,7 +36,7 @@ def _check_value(node: fx.Node, recorded: Any, fresh: Any) -> None:
         if not isinstance(fresh, torch.Tensor):
             raise GraphVerificationError(f"node {node.name}: recorded a tensor, re-propagation gave {type(fresh)}")
         same_shape = recorded.dim() == fresh.dim() and all(
-            _same_dims(a, b) for a, b in zip(recorded.shape, fresh.shape)
+            _same_dims(a, b) for a, b in zip(recorded.shape, fresh.shape, strict=True)
         )
         if not same_shape or recorded.dtype != fresh.dtype:
             raise GraphVerificationError(
@@ -46,7 +46,7 @@ def _check_value(node: fx.Node, recorded: Any, fresh: Any) -> None:
     elif isinstance(recorded, (list, tuple)) and isinstance(fresh, (list, tuple)):
         if len(recorded) != len(fresh):
             raise GraphVerificationError(f"node {node.name}: {len(recorded)} outputs recorded, {len(fresh)} now")
-        for rec, new in zip(recorded, fresh):
+        for rec, new in zip(recorded, fresh, strict=True):
             _check_value(node, rec, new)
 
 
