@@ -14,6 +14,7 @@ report of each graph goes to ``on_report`` (the backend's ``reports`` list).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,13 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
+def pass_fingerprint(graph_pass: GraphPass) -> str:
+    """A pass's class and the source of the file defining it (passes may live outside the package)."""
+    source = inspect.getsourcefile(type(graph_pass))
+    content = Path(source).read_bytes() if source else b""
+    return f"{type(graph_pass).__module__}.{type(graph_pass).__qualname__}:{hashlib.sha256(content).hexdigest()}"
+
+
 class PassManager(CustomGraphPass):
     """Runs the enabled passes on one post-grad graph at a time and reports what they did."""
 
@@ -63,7 +71,7 @@ class PassManager(CustomGraphPass):
         self.passes = {p.name: p for p in passes}
         self.on_report = on_report
         self._uuid = hashlib.sha256(
-            f"{source_hash()}|{config.describe()}|{[type(p).__qualname__ for p in passes]}".encode()
+            "|".join([source_hash(), config.describe(), *map(pass_fingerprint, passes)]).encode()
         ).hexdigest()
 
     def uuid(self) -> str:
