@@ -1,0 +1,8 @@
+"""``python -m hcpasses demo``: see hcpasses.demo."""
+
+import sys
+
+from hcpasses.demo import main
+
+if __name__ == "__main__":
+    sys.exit(main())
