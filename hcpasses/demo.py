@@ -34,11 +34,12 @@ def _rank_main(rank: int, world_size: int, ids: torch.Tensor, fp8: bool, ple: in
     import hcpasses
     from models import HCDecoder
 
-    device = torch.device("cuda", rank) if torch.cuda.is_available() and world_size <= torch.cuda.device_count() else None
-    model = HCDecoder(_demo_config(fp8, ple)).to(device or "cpu")
+    on_gpu = torch.cuda.is_available() and world_size <= torch.cuda.device_count()
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    model = HCDecoder(_demo_config(fp8, ple)).to(device)
     be = hcpasses.backend(dump_dir=dumps)
     with torch.no_grad():
-        logits = torch.compile(model, backend=be)(ids.to(device or "cpu"))
+        logits = torch.compile(model, backend=be)(ids.to(device))
     return DemoResult([str(r) for r in be.reports], logits.float().cpu())
 
 

@@ -1,0 +1,88 @@
+"""Per-token FP8 (e4m3) quantisation and a PTPC-FP8 linear layer (DESIGN §5).
+
+Convention (vLLM's per-token kernel): ``scale = max(amax / 448, 1 / (448 * 512))`` with amax taken from x in
+its activation dtype, ``q = clamp(x / scale, -448, 448)`` cast with round-to-nearest-even. The clamp comes
+before the cast because torch 2.11 turns an overflowing cast into NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .tp import column_parallel_weight, resolve_tp
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise each row of ``x [T, K]``: returns ``(q float8_e4m3fn [T, K], scale fp32 [T, 1])``.
+
+    ``q.float() * scale`` approximates x. A zero row gets the floor scale ``1/(448*512)`` and zero codes.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
+    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+class Fp8Linear(nn.Module):
+    """PTPC-FP8 linear: weight quantised once per output channel, x quantised per token at each call.
+
+    ``weight`` is the (already sharded) ``[out, in]`` weight in any float dtype. The output has x's dtype.
+    On CUDA with a bf16 x and 16-aligned sizes the product runs as a row-wise scaled ``torch._scaled_mm``;
+    elsewhere the float reference ``(q * scale) @ (wq * wscale)^T`` runs.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        weight_q, weight_scale = quantize_per_token(weight)
+        self.register_buffer("weight_q", weight_q)
+        self.register_buffer("weight_scale", weight_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, in] -> [T, out]`` in x's dtype."""
+        q, scale = quantize_per_token(x)
+        if self._use_scaled_mm(x):
+            return torch._scaled_mm(
+                q, self.weight_q.t(), scale_a=scale, scale_b=self.weight_scale.t(), out_dtype=x.dtype
+            )
+        w = self.weight_q.float() * self.weight_scale
+        return ((q.float() * scale) @ w.t()).to(x.dtype)
+
+    def _use_scaled_mm(self, x: torch.Tensor) -> bool:
+        """Whether the CUDA row-wise scaled GEMM supports this call (decided from static properties only)."""
+        out_features, in_features = self.weight_q.shape
+        return x.is_cuda and x.dtype == torch.bfloat16 and in_features % 16 == 0 and out_features % 16 == 0
+
+
+class Fp8ColumnParallelLinear(Fp8Linear):
+    """Column-parallel :class:`Fp8Linear` with the same weights as :class:`~models.tp.ColumnParallelLinear`.
+
+    The weight is quantised per output channel after sharding, which equals sharding the quantised full
+    weight (each channel's scale depends only on that channel).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | Sequence[int],
+        *,
+        seed: int,
+        name: str,
+        dtype: torch.dtype = torch.float32,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        parts = [out_features] if isinstance(out_features, int) else list(out_features)
+        rank, size = resolve_tp(tp_rank, tp_size)
+        weight = column_parallel_weight(
+            in_features, parts, seed=seed, name=name, dtype=dtype, tp_rank=rank, tp_size=size
+        )
+        super().__init__(weight)
+        self.tp_rank, self.tp_size = rank, size
