@@ -26,8 +26,10 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
-    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # Literals, not the module constants: under dynamic=True Dynamo turns a global float used as a
+    # divisor into a graph input, and the fusion pass can no longer see that the quant divides by 448.
+    scale = torch.clamp(amax / 448.0, min=1.0 / (448.0 * 512.0))
+    q = torch.clamp(xf / scale, -448.0, 448.0).to(FP8_DTYPE)
     return q, scale
 
 

@@ -1,0 +1,1 @@
+"""Fusion passes: replace a matched chain of ops with one fused op."""

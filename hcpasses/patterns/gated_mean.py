@@ -1,0 +1,45 @@
+"""The HC stream collapses and the per-token FP8 quant, written as plain torch functions.
+
+These are the *search* sides of the fusion: each is traced once per activation dtype into an Inductor
+pattern (``hcpasses.patterns.tracing``). They must be written exactly as model code writes them:
+
+- ``transformers_gated_mean``: Qwen3.8-Flash-Next in transformers (``Qwen4ExpTextGatedResidual``):
+  sigmoid and product in the activation dtype, ``mean`` over the stream dim.
+- ``atom_gated_mean``: ATOM's port: fp32 inside, sum over streams, divide by n, one rounding.
+- ``mhc_collapse``: DeepSeek-V4 mHC (``DeepseekV4HyperConnection``): scalar gate per stream, fp32 sum,
+  one rounding.
+- ``per_token_quant``: PTPC-FP8 activation quant (vLLM's convention, DESIGN §5).
+
+Streams are ``[T, n*S]`` stream-major (stream s is columns ``s*S:(s+1)*S``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def transformers_gated_mean(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """``mean_s(sigmoid(u_s) * xn_s)``: ``u`` the gate pre-activations, ``xn`` the normed streams."""
+    return (torch.sigmoid(u).unflatten(-1, (n, hidden)) * xn.unflatten(-1, (n, hidden))).mean(-2)
+
+
+def atom_gated_mean(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """The same mean in fp32 with one rounding: ``(sum_s sigmoid(u_s) * xn_s) / n``."""
+    gated = torch.sigmoid(u.float()).unflatten(-1, (n, hidden)) * xn.float().unflatten(-1, (n, hidden))
+    return (gated.sum(-2) / n).to(xn.dtype)
+
+
+def mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """``sum_s w_s * h_s`` with a scalar fp32 gate ``w [T, n]`` per stream, one rounding."""
+    return (w.unsqueeze(-1) * h.unflatten(-1, (n, hidden))).sum(-2).to(h.dtype)
+
+
+def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [T, K], scale fp32 [T, 1])``: ``scale = max(amax/448, 1/(448*512))``."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(amax / 448.0, min=1.0 / (448.0 * 512.0))
+    q = torch.clamp(xf / scale, -448.0, 448.0).to(FP8_DTYPE)
+    return q, scale
