@@ -1,0 +1,25 @@
+"""Test harness: capture post-grad graphs per rank and run them on virtual ranks in one process."""
+
+from .capture import (
+    CapturedGraph,
+    CaptureError,
+    capture_post_grad,
+    capture_ranks,
+    check_inputs,
+    fake_process_group,
+    simulate_captured,
+)
+from .simulator import CollectiveMismatchError, CollectiveTimeoutError, simulate
+
+__all__ = [
+    "CaptureError",
+    "CapturedGraph",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "capture_post_grad",
+    "capture_ranks",
+    "check_inputs",
+    "fake_process_group",
+    "simulate",
+    "simulate_captured",
+]

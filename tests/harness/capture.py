@@ -1,0 +1,312 @@
+"""Capture the post-grad FX graph that Inductor's ``post_grad_custom_pre_pass`` sees (DESIGN §6).
+
+:func:`capture_post_grad` compiles a module or function with ``torch.compile`` and a backend that calls
+``torch._inductor.compile_fx.compile_fx`` with a recording :class:`CustomGraphPass` as
+``post_grad_custom_pre_pass``. The pass copies the graph it is given into a standalone
+``torch.fx.GraphModule`` (node meta, ``"val"`` included, is kept) before later Inductor passes change it.
+The capture then runs the compiled callable once (plus ``extra_args`` calls) and records the real
+arguments that callable receives: they are the post-grad graph's placeholder values, in order, which the
+capture checks against each placeholder's ``meta["val"]``.
+
+Tensor-parallel models run under the ``fake`` process group (one process plays one rank, collectives do
+nothing), so one graph per rank can be captured in one process and fed to
+:func:`tests.harness.simulator.simulate`.
+
+Internal torch APIs used (each pinned by a test in ``tests/test_harness.py``):
+- ``torch.testing._internal.distributed.fake_pg.FakeStore`` (importing the module also registers the
+  ``fake`` backend on older versions);
+- ``torch._inductor.compile_fx.compile_fx`` and ``torch._inductor.custom_graph_pass.CustomGraphPass``
+  (the documented way to plug passes into Inductor, but under ``torch._inductor``);
+- the Inductor config keys ``post_grad_custom_pre_pass`` and ``fx_graph_cache``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from .simulator import simulate
+
+__all__ = [
+    "CaptureError",
+    "CapturedGraph",
+    "RecordingPass",
+    "capture_post_grad",
+    "capture_ranks",
+    "check_inputs",
+    "copy_graph",
+    "fake_process_group",
+    "simulate_captured",
+]
+
+# Bypass the FX graph cache (and with it AOTAutograd's cache, which requires it) so that the recording
+# pass runs on every compile. ``force_disable_caches`` is not set: it also disables the C++ kernel
+# cache and makes every compile several seconds slower; pass it in ``config_patches`` if needed.
+_CACHE_PATCHES: dict[str, Any] = {"fx_graph_cache": False}
+
+
+class CaptureError(RuntimeError):
+    """The capture did not produce usable graphs or inputs."""
+
+
+@dataclass
+class CapturedGraph:
+    """One post-grad graph and the real values of its placeholders.
+
+    ``gm`` is a standalone copy of the graph the post-grad pre pass saw. ``calls`` holds the arguments of
+    every call of the compiled graph during the capture, in placeholder order (ints for SymInt
+    placeholders, tensors detached and cloned at call time); ``inputs`` is ``calls[0]``. The graph's
+    outputs are AOTAutograd's flat outputs: for plain inference models, the model's outputs flattened.
+    """
+
+    gm: torch.fx.GraphModule
+    calls: list[list[Any]]
+    rank: int = 0
+    tp: int = 1
+
+    @property
+    def inputs(self) -> list[Any]:
+        """Placeholder values of the first call."""
+        return self.calls[0]
+
+    def placeholders(self) -> list[torch.fx.Node]:
+        """The graph's placeholder nodes, in order."""
+        return [node for node in self.gm.graph.nodes if node.op == "placeholder"]
+
+    def targets(self) -> list[Any]:
+        """Targets of the graph's ``call_function`` nodes, in order."""
+        return [node.target for node in self.gm.graph.nodes if node.op == "call_function"]
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A standalone ``GraphModule`` holding a node-by-node copy of ``graph`` (meta shallow-copied)."""
+    new_graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        env[node] = new_graph.node_copy(node, lambda n: env[n])
+    root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
+    return torch.fx.GraphModule(root, new_graph, class_name="PostGradGraph")
+
+
+class RecordingPass(CustomGraphPass):
+    """Post-grad pre pass that appends a copy of every graph it sees to ``self.graphs``.
+
+    ``inner``, when given, is a user pass that runs first: the recorded graph is the graph after it.
+    """
+
+    def __init__(self, inner: Callable[[torch.fx.Graph], None] | None = None) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.inner = inner
+        self._token = uuid.uuid4().hex
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+        self.graphs.append(copy_graph(graph))
+
+    def uuid(self) -> str:
+        """Unique per instance: a cached graph is never reused for a recording pass."""
+        inner_uuid = self.inner.uuid() if isinstance(self.inner, CustomGraphPass) else None
+        return f"tests.harness.RecordingPass:{self._token}:{inner_uuid}"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RecordingPass:
+        # Inductor may deep-copy its config; the copy must record into the same list.
+        return self
+
+
+@dataclass
+class _Compiled:
+    """What one call of the capturing backend produced."""
+
+    graphs: list[torch.fx.GraphModule]
+    calls: list[list[Any]] = field(default_factory=list)
+
+
+def _snapshot(args: Sequence[Any]) -> list[Any]:
+    """The arguments as they are now: tensors detached and cloned (the graph may mutate its inputs)."""
+    return [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+class _CapturingBackend:
+    """A ``torch.compile`` backend: Inductor with a recording post-grad pre pass; records call arguments."""
+
+    def __init__(self, config_patches: dict[str, Any] | None) -> None:
+        patches = {**_CACHE_PATCHES, **(config_patches or {})}
+        self.recorder = RecordingPass(inner=patches.pop("post_grad_custom_pre_pass", None))
+        self.patches = {**patches, "post_grad_custom_pre_pass": self.recorder}
+        self.compiled: list[_Compiled] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx  # imported late: importing Inductor is slow
+
+        before = len(self.recorder.graphs)
+        compiled = compile_fx(gm, list(example_inputs), config_patches=self.patches)
+        entry = _Compiled(graphs=self.recorder.graphs[before:])
+        self.compiled.append(entry)
+
+        def run(*args: Any) -> Any:
+            entry.calls.append(_snapshot(args))
+            return compiled(*args)
+
+        return run
+
+
+def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any]) -> None:
+    """Raise :class:`CaptureError` unless ``values`` fit ``gm``'s placeholders (count, kind, dtype, shape)."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    if len(values) != len(placeholders):
+        names = [p.name for p in placeholders]
+        raise CaptureError(f"{len(values)} runtime inputs for {len(placeholders)} placeholders ({names})")
+    for node, value in zip(placeholders, values, strict=True):
+        problem = _input_problem(node.meta.get("val"), value)
+        if problem:
+            raise CaptureError(f"runtime input for placeholder '{node.name}' does not fit: {problem}")
+
+
+def _input_problem(expected: Any, value: Any) -> str | None:
+    """Why ``value`` cannot be the runtime value of a placeholder whose ``meta["val"]`` is ``expected``."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            return f"expected a tensor, got {type(value).__name__}"
+        if value.dtype != expected.dtype:
+            return f"dtype {value.dtype} != {expected.dtype}"
+        mismatch = f"shape {list(value.shape)} != {list(expected.shape)}"
+        if value.dim() != expected.dim():
+            return mismatch
+        pairs = zip(expected.shape, value.shape, strict=True)
+        if any(isinstance(want, int) and want != got for want, got in pairs):
+            return mismatch
+        return None
+    if isinstance(expected, (torch.SymInt, int)) and not isinstance(expected, bool):
+        return None if isinstance(value, int) else f"expected an int, got {type(value).__name__}"
+    return None
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """Initialise the default process group as the ``fake`` backend for ``rank``; destroy it on exit.
+
+    Internal API: ``FakeStore`` from ``torch.testing._internal.distributed.fake_pg`` (2.11 and 2.13).
+    """
+    if dist.is_initialized():
+        raise CaptureError("a default process group is already initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _group_for(rank: int, tp: int, wanted: bool) -> Iterator[None]:
+    """A fake group for ``rank`` of ``tp`` when wanted, reusing a matching default group if one exists."""
+    if not wanted:
+        yield
+        return
+    if dist.is_initialized():
+        have = (dist.get_rank(), dist.get_world_size())
+        if have != (rank, tp):
+            raise CaptureError(f"the default process group is (rank, size) {have}, not ({rank}, {tp})")
+        yield
+        return
+    with fake_process_group(rank, tp):
+        yield
+
+
+def capture_post_grad(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    *,
+    dynamic: bool | None = False,
+    tp: int = 1,
+    rank: int = 0,
+    config_patches: dict[str, Any] | None = None,
+    fake_pg: bool | None = None,
+    extra_args: Sequence[Sequence[Any]] = (),
+    fullgraph: bool = False,
+    no_grad: bool = True,
+) -> list[CapturedGraph]:
+    """Compile ``fn`` (a module or function), run it on ``args``, return its post-grad graphs in order.
+
+    ``config_patches`` are Inductor config patches; a ``post_grad_custom_pre_pass`` in them runs before
+    the recording, so the recorded graph is the graph after it. ``fake_pg`` (default: ``tp > 1``) runs
+    the capture as ``rank`` of a ``fake`` process group of size ``tp`` (an existing default group of that
+    rank and size is reused). ``extra_args`` are further calls after the first; each compiled graph
+    records the arguments of every call it serves. Runs under ``torch.no_grad()`` unless ``no_grad`` is
+    False. Dynamo is reset before and after.
+    """
+    backend = _CapturingBackend(config_patches)
+    use_group = tp > 1 if fake_pg is None else fake_pg
+    with _group_for(rank, tp, use_group):
+        torch.compiler.reset()
+        try:
+            compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                for call_args in (args, *extra_args):
+                    compiled(*call_args)
+        finally:
+            torch.compiler.reset()
+    return _results(backend.compiled, rank, tp)
+
+
+def _results(entries: Sequence[_Compiled], rank: int, tp: int) -> list[CapturedGraph]:
+    """One :class:`CapturedGraph` per compiled graph, inputs checked against the placeholders."""
+    if not entries:
+        raise CaptureError("nothing was compiled (no tensor ops, or dynamo ran everything eagerly)")
+    captured = []
+    for i, entry in enumerate(entries):
+        if len(entry.graphs) != 1:
+            count = len(entry.graphs)
+            raise CaptureError(f"compiled graph #{i} produced {count} post-grad graphs, expected 1")
+        if not entry.calls:
+            raise CaptureError(f"compiled graph #{i} was never called during the capture")
+        for call in entry.calls:
+            check_inputs(entry.graphs[0], call)
+        captured.append(CapturedGraph(gm=entry.graphs[0], calls=entry.calls, rank=rank, tp=tp))
+    return captured
+
+
+def capture_ranks(
+    build_fn: Callable[[int, int], Callable[..., Any]],
+    args_fn: Callable[[int, int], Sequence[Any]],
+    tp: int,
+    *,
+    extra_args_fn: Callable[[int, int], Sequence[Sequence[Any]]] | None = None,
+    **capture_kwargs: Any,
+) -> list[list[CapturedGraph]]:
+    """Capture the post-grad graphs of every rank: ``result[rank][i]`` is rank's i-th graph.
+
+    For each rank, under a ``fake`` group of size ``tp`` (also for tp=1), builds the model with
+    ``build_fn(rank, tp)`` (TP models read their rank at construction), gets its arguments from
+    ``args_fn(rank, tp)`` (and further calls from ``extra_args_fn``), and calls
+    :func:`capture_post_grad` with ``capture_kwargs``. All ranks must produce the same number of graphs.
+    """
+    per_rank = []
+    for rank in range(tp):
+        with fake_process_group(rank, tp):
+            model = build_fn(rank, tp)
+            args = args_fn(rank, tp)
+            extra = extra_args_fn(rank, tp) if extra_args_fn is not None else ()
+            graphs = capture_post_grad(model, args, tp=tp, rank=rank, extra_args=extra, **capture_kwargs)
+            per_rank.append(graphs)
+    counts = [len(graphs) for graphs in per_rank]
+    if len(set(counts)) != 1:
+        raise CaptureError(f"ranks captured different numbers of graphs: {counts}")
+    return per_rank
+
+
+def simulate_captured(captures: Sequence[CapturedGraph], *, call: int = 0, timeout_s: float = 60) -> list:
+    """:func:`simulate` one graph per rank (``captures[r]`` is rank r's) on the inputs of call ``call``."""
+    for capture in captures:
+        if call >= len(capture.calls):
+            raise CaptureError(f"rank {capture.rank} recorded {len(capture.calls)} call(s), no call #{call}")
+    return simulate([c.gm for c in captures], [c.calls[call] for c in captures], timeout_s)

@@ -1,0 +1,121 @@
+"""Small tensor-parallel models for the harness tests, and the function real gloo ranks run.
+
+Weights are drawn whole from a seeded generator on every rank and each rank keeps its slice, so the
+models of every TP size compute the same function (up to the order of the sums).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+D_MODEL = 16
+D_HIDDEN = 48  # divisible by 1, 2, 3 and 4
+
+
+def full_weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unsharded ``w1 [D_HIDDEN, D_MODEL]`` and ``w2 [D_MODEL, D_HIDDEN]`` drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(D_HIDDEN, D_MODEL, generator=gen) * D_MODEL**-0.5
+    w2 = torch.randn(D_MODEL, D_HIDDEN, generator=gen) * D_HIDDEN**-0.5
+    return w1, w2
+
+
+def _shard(full: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
+    """The ``rank``-th of ``tp`` equal slices of ``full`` along ``dim`` (a copy)."""
+    return full.chunk(tp, dim=dim)[rank].clone()
+
+
+class _ToyBase(nn.Module):
+    """Column-parallel ``w1`` (rows sharded) and row-parallel ``w2`` (columns sharded)."""
+
+    def __init__(self, rank: int, tp: int, seed: int = 0) -> None:
+        super().__init__()
+        w1, w2 = full_weights(seed)
+        self.w1 = nn.Parameter(_shard(w1, 0, rank, tp), requires_grad=False)
+        self.w2 = nn.Parameter(_shard(w2, 1, rank, tp), requires_grad=False)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum ``relu(x @ w1_r^T) @ w2_r^T`` of the output, ``[T, D_MODEL]``."""
+        return F.linear(F.relu(F.linear(x, self.w1)), self.w2)
+
+
+class ToyMLP(_ToyBase):
+    """Column-parallel linear, relu, row-parallel linear, in-place ``dist.all_reduce`` (if a group exists)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, D_MODEL] -> [T, D_MODEL]``."""
+        y = self.partial(x)
+        if dist.is_initialized():
+            dist.all_reduce(y)
+        return y
+
+
+class ToySP(_ToyBase):
+    """Sequence-parallel variant: reduce-scatter rows, a row-local op on the shard, all-gather, residual.
+
+    Uses ``torch.distributed._functional_collectives`` and needs a default group; T divisible by tp.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, D_MODEL] -> [T, D_MODEL]``."""
+        group = dist.group.WORLD
+        rows = funcol.reduce_scatter_tensor(self.partial(x), "sum", 0, group)
+        rows = F.silu(rows) * 2.0
+        return funcol.all_gather_tensor(rows, 0, group) + x
+
+
+def dense_reference(x: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+    """What ToyMLP and ToySP compute, from the unsharded weights, with no communication."""
+    w1, w2 = full_weights(seed)
+    y = F.linear(F.relu(F.linear(x, w1)), w2)
+    return {"mlp": y, "sp": F.silu(y) * 2.0 + x}
+
+
+def build_toy_mlp(rank: int, tp: int, seed: int = 0) -> nn.Module:
+    """A :class:`ToyMLP` for ``rank`` of ``tp``."""
+    return ToyMLP(rank, tp, seed)
+
+
+def build_toy_sp(rank: int, tp: int, seed: int = 0) -> nn.Module:
+    """A :class:`ToySP` for ``rank`` of ``tp``."""
+    return ToySP(rank, tp, seed)
+
+
+def build_hc_decoder(rank: int, tp: int, **config: Any) -> nn.Module:
+    """``models.HCDecoder(HCConfig.tiny(**config), tp_rank=rank, tp_size=tp)`` (imported lazily)."""
+    from models import HCConfig, HCDecoder
+
+    return HCDecoder(HCConfig.tiny(**config), tp_rank=rank, tp_size=tp)
+
+
+Job = tuple[str, Callable[[int, int], nn.Module], Sequence[Any]]
+
+
+class JobError(str):
+    """The traceback of a job of :func:`eager_outputs` that raised (returned instead of its output)."""
+
+
+def eager_outputs(rank: int, tp: int, jobs: Sequence[Job]) -> dict[str, Any]:
+    """Run each ``(name, build_fn, args)`` job eagerly on this rank without grad; results by name.
+
+    Meant for :func:`hcpasses.multiproc.run_ranks` (a real gloo group is initialised): one launch runs
+    several models, since starting the processes costs seconds. A job that raises yields a
+    :class:`JobError` so that the other jobs' results still come back. A job that hangs in a collective
+    hangs the launch (run_ranks' deadline then fails it).
+    """
+    results: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, build_fn, args in jobs:
+            try:
+                results[name] = build_fn(rank, tp)(*args)
+            except Exception:
+                results[name] = JobError(traceback.format_exc())
+    return results
