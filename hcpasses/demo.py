@@ -70,7 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="compile the built-in tiny HC model at TP 2 and print the report")
     demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (processes), default 2")
     demo.add_argument("--tokens", type=int, default=64, help="number of tokens T, default 64")
-    demo.add_argument("--fp8", action="store_true", help="use the per-token FP8 sub-layer input projections")
+    demo.add_argument(
+        "--fp8",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="per-token FP8 sub-layer input projections, so the gated-mean + quant fusion fires (default on)",
+    )
     demo.add_argument("--ple-layer", type=int, default=None, help="layer index holding the PLE layer")
     demo.add_argument("--dump-dir", default=os.environ.get("HCPASSES_DUMP_DIR", "hcpasses_dumps"))
     args = parser.parse_args(argv)

@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import PASS_NAMES, HCPassesConfig
 from hcpasses.dumps import GraphDump, graph_code
+from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.graph_pass import GraphPass
 from hcpasses.report import GraphReport, PassRecord
 from hcpasses.verify import GraphVerificationError, restore_graph, snapshot_graph, verify_graph
@@ -34,7 +35,7 @@ log = logging.getLogger("hcpasses")
 
 # The registered passes. Adding a pass is one line here plus its flag in config.PASS_NAMES; the
 # manager runs them in config.PASS_NAMES order.
-PIPELINE: tuple[GraphPass, ...] = (DeadCodeCleanup(),)
+PIPELINE: tuple[GraphPass, ...] = (GatedMeanQuantFusion(), DeadCodeCleanup())
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 

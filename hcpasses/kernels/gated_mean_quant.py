@@ -1,0 +1,172 @@
+"""The fused HC collapse + per-token FP8 quant as torch custom ops (DESIGN §2, §5).
+
+``torch.ops.hcpasses.gated_mean_quant(xn, u, n_streams)``: the Qwen3.8-Flash-Next gated mean
+``x = mean_s(sigmoid(u_s) * xn_s)``; ``torch.ops.hcpasses.weighted_sum_quant(h, w, n_streams)``: the
+DeepSeek-V4 mHC collapse ``x = sum_s w[:, s] * h_s``. Both take stream-major ``[T, n*S]`` inputs (stream s
+is columns ``s*S:(s+1)*S``) and return ``(x [T, S] in the input dtype, q float8_e4m3fn [T, S], scale
+float32 [T, 1])``.
+
+Rounding convention (ATOM's): fp32 inside, the streams summed in fixed order s = 0..n-1, x rounded once
+to the activation dtype; then the quant of :func:`models.fp8.quantize_per_token` on that rounded x:
+``scale = max(amax / 448, 1 / (448 * 512))``, ``q = clamp(x / scale, ±448)`` cast with round-to-nearest-
+even. Every division is IEEE-rounded on every device, so q and scale are a function of x alone.
+
+The torch reference below is the implementation on CPU (and on any device without a kernel); on CUDA
+the Triton kernels of :mod:`hcpasses.kernels.triton_gated_mean_quant` run. Triton is imported only when
+a CUDA call needs it, so this module imports without Triton.
+"""
+
+import importlib.util
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _check_2d(op: str, name: str, t: torch.Tensor) -> None:
+    """Raise ValueError unless ``t`` is a contiguous 2-D tensor of an activation dtype."""
+    if t.dim() != 2 or t.dtype not in ACTIVATION_DTYPES or not t.is_contiguous():
+        raise ValueError(
+            f"{op}: {name} must be a contiguous 2-D tensor of dtype float32, bfloat16 or float16; got shape "
+            f"{tuple(t.shape)}, dtype {t.dtype}, contiguous={t.is_contiguous()}"
+        )
+
+
+def _check_streams(op: str, name: str, streams: torch.Tensor, n_streams: int) -> None:
+    """Raise ValueError unless ``streams`` is a valid ``[T, n*S]`` bundle with S >= 1."""
+    _check_2d(op, name, streams)
+    width = streams.shape[1]
+    if n_streams < 1 or width == 0 or width % n_streams != 0:
+        raise ValueError(
+            f"{op}: {name} of shape {tuple(streams.shape)} must have a non-zero width divisible by "
+            f"n_streams={n_streams} (>= 1)"
+        )
+
+
+def _check_gates(op: str, name: str, gates: torch.Tensor, streams: torch.Tensor, shape: tuple[int, int]) -> None:
+    """Raise ValueError unless ``gates`` has ``shape`` and lives on the streams' device."""
+    _check_2d(op, name, gates)
+    if tuple(gates.shape) != shape or gates.device != streams.device:
+        raise ValueError(
+            f"{op}: {name} must have shape {shape} on {streams.device}; got {tuple(gates.shape)} on {gates.device}"
+        )
+
+
+def validate_gated_mean_inputs(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> None:
+    """Raise ValueError naming the bad shape/dtype unless ``xn`` and ``u`` are contiguous ``[T, n*S]``."""
+    _check_streams("gated_mean_quant", "xn", xn, n_streams)
+    _check_gates("gated_mean_quant", "u", u, xn, tuple(xn.shape))
+
+
+def validate_weighted_sum_inputs(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> None:
+    """Raise ValueError naming the bad shape/dtype unless ``h`` is ``[T, n*S]`` and ``w`` is ``[T, n]``."""
+    _check_streams("weighted_sum_quant", "h", h, n_streams)
+    _check_gates("weighted_sum_quant", "w", w, h, (h.shape[0], n_streams))
+
+
+def empty_outputs(streams: torch.Tensor, hidden: int) -> Outputs:
+    """Uninitialised ``(x [T, S] in streams' dtype, q fp8 [T, S], scale fp32 [T, 1])`` on streams' device."""
+    tokens = streams.shape[0]
+    x = streams.new_empty((tokens, hidden))
+    q = torch.empty((tokens, hidden), dtype=FP8_DTYPE, device=streams.device)
+    scale = torch.empty((tokens, 1), dtype=torch.float32, device=streams.device)
+    return x, q, scale
+
+
+def _ieee_div(a: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``a / divisor`` rounded as IEEE division on every device.
+
+    A Python-scalar divisor lets CUDA multiply by its rounded reciprocal instead, which can be one ulp off;
+    a 0-dim tensor on ``a``'s device keeps the true division.
+    """
+    return a / a.new_tensor(divisor)
+
+
+def quant_epilogue_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 quant of ``x [T, K]``: ``(q float8_e4m3fn [T, K], scale fp32 [T, 1])``.
+
+    The convention of :func:`models.fp8.quantize_per_token`, with IEEE division on every device.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(_ieee_div(amax, FP8_MAX), min=MIN_SCALE)
+    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def _fixed_order_sum(terms: torch.Tensor) -> torch.Tensor:
+    """``terms[:, 0] + terms[:, 1] + ...`` over dim 1 of ``[T, n, S]``, left to right."""
+    acc = terms[:, 0]
+    for s in range(1, terms.shape[1]):
+        acc = acc + terms[:, s]
+    return acc
+
+
+def _with_quant(x: torch.Tensor) -> Outputs:
+    """``(x, *quant_epilogue_reference(x))``."""
+    return (x, *quant_epilogue_reference(x))
+
+
+def gated_mean_quant_reference(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> Outputs:
+    """Torch reference of ``gated_mean_quant``: ``x = (sum_s sigmoid(u_s) * xn_s) / n`` in fp32, then quant."""
+    validate_gated_mean_inputs(xn, u, n_streams)
+    shape = (xn.shape[0], n_streams, xn.shape[1] // n_streams)
+    terms = torch.sigmoid(u.float().view(shape)) * xn.float().view(shape)
+    return _with_quant(_ieee_div(_fixed_order_sum(terms), n_streams).to(xn.dtype))
+
+
+def weighted_sum_quant_reference(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> Outputs:
+    """Torch reference of ``weighted_sum_quant``: ``x = sum_s w[:, s] * h_s`` in fp32, then quant."""
+    validate_weighted_sum_inputs(h, w, n_streams)
+    terms = w.float().unsqueeze(-1) * h.float().view(h.shape[0], n_streams, h.shape[1] // n_streams)
+    return _with_quant(_fixed_order_sum(terms).to(h.dtype))
+
+
+@torch.library.custom_op("hcpasses::gated_mean_quant", mutates_args=())
+def gated_mean_quant(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> Outputs:
+    """Fused HC gated mean + per-token FP8 quant: ``(x [T, S], q fp8 [T, S], scale fp32 [T, 1])``."""
+    return gated_mean_quant_reference(xn, u, n_streams)
+
+
+@torch.library.custom_op("hcpasses::weighted_sum_quant", mutates_args=())
+def weighted_sum_quant(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> Outputs:
+    """Fused mHC collapse ``sum_s w[:, s] * h_s`` + per-token FP8 quant; outputs as ``gated_mean_quant``."""
+    return weighted_sum_quant_reference(h, w, n_streams)
+
+
+@gated_mean_quant.register_fake
+def _gated_mean_quant_fake(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> Outputs:
+    """Output shapes and dtypes of ``gated_mean_quant``."""
+    validate_gated_mean_inputs(xn, u, n_streams)
+    return empty_outputs(xn, xn.shape[1] // n_streams)
+
+
+@weighted_sum_quant.register_fake
+def _weighted_sum_quant_fake(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> Outputs:
+    """Output shapes and dtypes of ``weighted_sum_quant``."""
+    validate_weighted_sum_inputs(h, w, n_streams)
+    return empty_outputs(h, h.shape[1] // n_streams)
+
+
+def _gated_mean_quant_cuda(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> Outputs:
+    """CUDA kernel of ``gated_mean_quant``: the Triton kernel."""
+    from hcpasses.kernels.triton_gated_mean_quant import gated_mean_quant_triton
+
+    return gated_mean_quant_triton(xn, u, n_streams)
+
+
+def _weighted_sum_quant_cuda(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> Outputs:
+    """CUDA kernel of ``weighted_sum_quant``: the Triton kernel."""
+    from hcpasses.kernels.triton_gated_mean_quant import weighted_sum_quant_triton
+
+    return weighted_sum_quant_triton(h, w, n_streams)
+
+
+if importlib.util.find_spec("triton") is not None:
+    gated_mean_quant.register_kernel("cuda")(_gated_mean_quant_cuda)
+    weighted_sum_quant.register_kernel("cuda")(_weighted_sum_quant_cuda)
