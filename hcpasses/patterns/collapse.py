@@ -1,0 +1,170 @@
+"""Finding HC stream collapses in a post-grad graph (used by the fusion and the SP passes).
+
+A collapse turns the n streams ``[T, n*S]`` into the sub-layer input ``x [T, S]``. It is found either
+unfused (one of the plain-torch patterns of ``hcpasses.patterns.gated_mean``, traced per activation
+dtype) or already fused (``torch.ops.hcpasses.gated_mean_quant`` / ``weighted_sum_quant``). Every match
+is checked beyond the pattern (``stream_split``): the reshapes split ``[T, n*S]`` into ``[T, n, S]``
+with static n and S, the reductions run over the stream dim, dtypes are the registered ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_graph_pattern
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+import hcpasses.kernels  # noqa: F401  (registers torch.ops.hcpasses.*)
+from hcpasses.patterns.gated_mean import atom_gated_mean, mhc_collapse, per_token_quant, transformers_gated_mean
+from hcpasses.patterns.tracing import matched, reduces_dim, split_streams, trace_pattern
+
+aten = torch.ops.aten
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Sizes the patterns are traced at. N_TRACE is an odd value no other literal in the patterns takes,
+# so ATOM's literal "/ n" can become a wildcard bound to the name "n".
+T_TRACE, N_TRACE, S_TRACE = 2, 3, 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Collapse:
+    """One way models write the stream collapse, and the fused op that replaces it (+ the quant)."""
+
+    name: str
+    search: Callable[..., torch.Tensor]  # (gate, streams, n, hidden) -> x
+    reduction: Any  # the ATen op that sums over the stream dim
+    gated_mean: bool  # True: gate is u [T, n*S] (sigmoid inside); False: gate is w [T, n] fp32
+    literal_n: bool  # the pattern divides by a literal n
+
+    def gate_example(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.gated_mean:
+            return torch.randn(T_TRACE, N_TRACE * S_TRACE, dtype=dtype)
+        return torch.randn(T_TRACE, N_TRACE, dtype=torch.float32)
+
+    @property
+    def fused_op(self) -> Any:
+        """``op(streams, gate, n) -> (x, q, scale)``."""
+        return torch.ops.hcpasses.gated_mean_quant if self.gated_mean else torch.ops.hcpasses.weighted_sum_quant
+
+
+COLLAPSES = (
+    Collapse("transformers", transformers_gated_mean, aten.mean.dim, gated_mean=True, literal_n=False),
+    Collapse("atom", atom_gated_mean, aten.sum.dim_IntList, gated_mean=True, literal_n=True),
+    Collapse("mhc", mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False),
+)
+
+
+def stream_split(match: Match, collapse: Collapse, dtype: torch.dtype) -> tuple[int, int] | None:
+    """``(n, S)`` if the match is really this collapse over ``dtype`` activations, else ``None``."""
+    gate, streams = match.kwargs["gate"], match.kwargs["streams"]
+    gate_val, streams_val = gate.meta.get("val"), streams.meta.get("val")
+    if not isinstance(gate_val, torch.Tensor) or not isinstance(streams_val, torch.Tensor):
+        return None
+    splits = {split_streams(node) for node in matched(match, aten.reshape.default)}
+    if len(splits) != 1 or None in splits:
+        return None
+    ((n, hidden),) = splits
+    gate_width = n * hidden if collapse.gated_mean else n
+    gate_dtype = dtype if collapse.gated_mean else torch.float32
+    if streams_val.dtype != dtype or gate_val.dtype != gate_dtype or gate_val.dim() != 2:
+        return None
+    if gate_val.shape[1] != gate_width or not statically_known_true(gate_val.shape[0] == streams_val.shape[0]):
+        return None
+    if not all(reduces_dim(node, 3, -2) for node in matched(match, collapse.reduction)):
+        return None
+    if not all(reduces_dim(node, 2, -1) for node in matched(match, aten.amax.default)):
+        return None
+    if collapse.literal_n and match.kwargs.get("n") != n:
+        return None
+    return n, hidden
+
+
+def search_fns(collapse: Collapse) -> dict[str, Callable[..., Any]]:
+    def collapse_only(gate: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return collapse.search(gate, streams, N_TRACE, S_TRACE)
+
+    def with_quant(gate: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_token_quant(collapse_only(gate, streams))
+
+    def with_quant_keep_x(gate: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = collapse_only(gate, streams)
+        return (x, *per_token_quant(x))
+
+    return {"collapse": collapse_only, "quant": with_quant, "quant_keep_x": with_quant_keep_x}
+
+
+@dataclasses.dataclass(frozen=True)
+class FoundCollapse:
+    """One collapse in a graph.
+
+    ``root``: the node computing x (the mean / sum, or the fused op); ``outputs``: the nodes that hold its
+    results (x, or the fused op's getitems); ``streams``: the normed streams xn (gated mean) or the raw
+    streams h (mHC); ``gate``: u or w; ``normed``: whether ``streams`` is a norm of the stream value.
+    """
+
+    root: fx.Node
+    outputs: tuple[fx.Node, ...]
+    gate: fx.Node
+    streams: fx.Node
+    n: int
+    normed: bool
+
+
+FUSED_GATED_MEAN = torch.ops.hcpasses.gated_mean_quant.default
+FUSED_WEIGHTED_SUM = torch.ops.hcpasses.weighted_sum_quant.default
+
+
+class CollapseFinder:
+    """Finds every collapse, fused or not. Patterns are traced on first use (about a second)."""
+
+    def __init__(self) -> None:
+        self._finder: PatternMatcherPass | None = None
+        self._found: list[FoundCollapse] = []
+
+    def _build(self) -> PatternMatcherPass:
+        finder = PatternMatcherPass(pass_name="hcpasses_find_hc_collapse")
+        for collapse in COLLAPSES:
+            scalars = {"n": N_TRACE} if collapse.literal_n else None
+            for dtype in ACTIVATION_DTYPES:
+                examples = [collapse.gate_example(dtype), torch.randn(T_TRACE, N_TRACE * S_TRACE, dtype=dtype)]
+                pattern = trace_pattern(search_fns(collapse)["collapse"], examples, ["gate", "streams"], scalars)
+                check = match_check(collapse, dtype)
+                register_graph_pattern(pattern, extra_check=check, pass_dict=finder)(self._record(collapse, dtype))
+        return finder
+
+    def _record(self, collapse: Collapse, dtype: torch.dtype) -> Callable[..., None]:
+        def handler(match: Match, *args: Any, **kwargs: Any) -> None:
+            split = stream_split(match, collapse, dtype)
+            assert split is not None  # extra_check passed on this very match
+            root = match.output_node()
+            found = FoundCollapse(root, (root,), kwargs["gate"], kwargs["streams"], split[0], collapse.gated_mean)
+            self._found.append(found)
+
+        return handler
+
+    def find(self, graph: fx.Graph) -> list[FoundCollapse]:
+        """Unfused and fused collapses in graph order."""
+        if self._finder is None:
+            self._finder = self._build()
+        self._found = []
+        self._finder.apply(graph)
+        found = self._found + [
+            _fused(node) for node in graph.nodes if node.target in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)
+        ]
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        return sorted(found, key=lambda c: order[c.root])
+
+
+def _fused(node: fx.Node) -> FoundCollapse:
+    streams, gate, n = node.args[0], node.args[1], node.args[2]
+    assert isinstance(streams, fx.Node) and isinstance(gate, fx.Node) and isinstance(n, int)
+    outputs = tuple(user for user in node.users)
+    return FoundCollapse(node, outputs, gate, streams, n, normed=node.target is FUSED_GATED_MEAN)
+
+
+def match_check(collapse: Collapse, dtype: torch.dtype) -> Callable[[Match], bool]:
+    return lambda match: stream_split(match, collapse, dtype) is not None
