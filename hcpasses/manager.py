@@ -29,13 +29,14 @@ from hcpasses.dumps import GraphDump, graph_code
 from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.graph_pass import GraphPass
 from hcpasses.report import GraphReport, PassRecord
+from hcpasses.sp_rewrite import SPRewrite
 from hcpasses.verify import GraphVerificationError, restore_graph, snapshot_graph, verify_graph
 
 log = logging.getLogger("hcpasses")
 
 # The registered passes. Adding a pass is one line here plus its flag in config.PASS_NAMES; the
 # manager runs them in config.PASS_NAMES order.
-PIPELINE: tuple[GraphPass, ...] = (GatedMeanQuantFusion(), DeadCodeCleanup())
+PIPELINE: tuple[GraphPass, ...] = (GatedMeanQuantFusion(), SPRewrite(), DeadCodeCleanup())
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 

@@ -51,14 +51,19 @@ def _check_value(node: fx.Node, recorded: Any, fresh: Any) -> None:
 
 
 class _FakeRepropagation(fx.Interpreter):
-    """Runs the graph on fake tensors; checks each result against the node's recorded meta."""
+    """Runs the graph on fake tensors; checks each result against the node's recorded meta
+    (``overwrite=False``) or records it (``overwrite=True``)."""
+
+    def __init__(self, module: fx.GraphModule, graph: fx.Graph, overwrite: bool) -> None:
+        super().__init__(module, garbage_collect_values=True, graph=graph)
+        self.overwrite = overwrite
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n.op in ("placeholder", "output"):
             return result
         recorded = n.meta.get("val")
-        if recorded is None:
+        if recorded is None or self.overwrite:
             n.meta["val"] = result
         else:
             _check_value(n, recorded, result)
@@ -71,8 +76,16 @@ def verify_graph(graph: fx.Graph) -> None:
         graph.lint()
     except Exception as err:  # lint raises bare RuntimeErrors; give them one type
         raise GraphVerificationError(f"graph lint failed: {err}") from err
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    inputs = [n.meta.get("val") for n in placeholders]
+    _propagate(graph, overwrite=False)
+
+
+def refresh_fake_values(graph: fx.Graph) -> None:
+    """Recompute every node's ``meta["val"]`` from the placeholders' fake values (after a rewrite)."""
+    _propagate(graph, overwrite=True)
+
+
+def _propagate(graph: fx.Graph, overwrite: bool) -> None:
+    inputs = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
     if any(value is None for value in inputs):
         return  # graphs built by hand in tests may carry no fake values; lint is all we can do
     fake_mode = detect_fake_mode(inputs)
@@ -80,7 +93,7 @@ def verify_graph(graph: fx.Graph) -> None:
     if fake_mode is None or module is None:
         return
     with fake_mode:
-        _FakeRepropagation(module, garbage_collect_values=True, graph=graph).run(*inputs)
+        _FakeRepropagation(module, graph, overwrite).run(*inputs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,23 +29,40 @@ MIN_SCALE = tl.constexpr(ops.MIN_SCALE)
 # 2**-9) rounds to that grid with round-to-nearest-even, and subtracting it again is exact.
 E4M3_SUBNORMAL_MAGIC = tl.constexpr(16384.0)
 E4M3_MIN_NORMAL_BITS = tl.constexpr(0x3C800000)  # fp32 bit pattern of 2**-6
-MAX_ROWS_PER_PROGRAM = 16
-ELEMENTS_PER_PROGRAM = 4096
+CHUNKS = (256, 512, 1024, 2048, 4096)  # column chunks tried for rows wider than the smallest
+ELEMENTS_PER_PROGRAM = 1024
+MAX_ROWS = 64
+ELEMENTS_PER_THREAD = 8  # 16-byte loads of 16-bit activations
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """How a kernel is launched: token rows per program and warps per program."""
+    """How a kernel is launched: token rows per program, columns per chunk (a power of two), warps."""
 
     rows: int
+    chunk: int
     num_warps: int
 
 
-def default_launch_config(hidden: int) -> LaunchConfig:
-    """Rows per program so a program covers about 4096 elements of x; 8 warps for wide rows."""
+def default_chunk(hidden: int) -> int:
+    """The power-of-two chunk that pads a row least (ties: the larger chunk, fewer trips).
+
+    A row of S columns is covered by ``ceil(S / chunk)`` chunks; lanes past S are masked but still issue
+    instructions, and the kernel's arithmetic is close to the memory time, so padding costs. S = 2560:
+    512 (five chunks, no padding) rather than one chunk of 4096 (60 % padding).
+    """
     block = triton.next_power_of_2(hidden)
-    rows = max(1, min(MAX_ROWS_PER_PROGRAM, ELEMENTS_PER_PROGRAM // block))
-    return LaunchConfig(rows=rows, num_warps=8 if block >= 2048 else 4)
+    if block <= CHUNKS[0]:
+        return block
+    return min((c for c in CHUNKS if c <= block), key=lambda c: (triton.cdiv(hidden, c) * c, -c))
+
+
+def default_launch_config(hidden: int) -> LaunchConfig:
+    """:func:`default_chunk` columns, rows so a program covers ~1024 elements, 8 elements per thread."""
+    chunk = default_chunk(hidden)
+    rows = max(1, min(MAX_ROWS, ELEMENTS_PER_PROGRAM // chunk))
+    warps = max(1, min(8, rows * chunk // (32 * ELEMENTS_PER_THREAD)))
+    return LaunchConfig(rows=rows, chunk=chunk, num_warps=warps)
 
 
 @triton.jit
@@ -82,72 +99,99 @@ def round_to_dtype(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _row_block(n_tokens, hidden, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's token rows (int64), the columns of one stream and the in-bounds mask."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    mask = (rows[:, None] < n_tokens) & (cols[None, :] < hidden)
-    return rows, cols, mask
+def _stream_term(
+    streams_ptr, gates_ptr, rows, offsets, mask, n_tokens, s, GATED: tl.constexpr, N_STREAMS: tl.constexpr
+):
+    """Stream s's gated term in fp32: ``sigmoid(u_s) * xn_s`` (GATED) or ``w[:, s] * h_s``.
+
+    ``offsets`` point into stream s of ``[ROWS, CHUNK]`` elements.
+    """
+    h = tl.load(streams_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        gate = tl.sigmoid(tl.load(gates_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
+    else:
+        gate = tl.load(gates_ptr + rows * N_STREAMS + s, mask=rows < n_tokens, other=0.0).to(tl.float32)[:, None]
+    return gate * h
 
 
 @triton.jit
-def _store_x_and_quant(acc, rows, cols, mask, n_tokens, hidden, x_ptr, q_ptr, scale_ptr):
-    """The shared epilogue: round fp32 ``acc [ROWS, BLOCK]`` once to x's dtype, store x, quantise it."""
-    offsets = rows[:, None] * hidden + cols[None, :]
+def _collapse_chunk(
+    streams_ptr, gates_ptr, rows, cols, mask, n_tokens, hidden, GATED: tl.constexpr, N_STREAMS: tl.constexpr
+):
+    """The streams' sum for a ``[ROWS, CHUNK]`` block, in fp32, s = 0..n-1 in order (divided by n if GATED)."""
+    offsets = rows[:, None] * (N_STREAMS * hidden) + cols[None, :]
+    acc = _stream_term(streams_ptr, gates_ptr, rows, offsets, mask, n_tokens, 0, GATED, N_STREAMS)
+    for s in tl.static_range(1, N_STREAMS):
+        acc += _stream_term(streams_ptr, gates_ptr, rows, offsets + s * hidden, mask, n_tokens, s, GATED, N_STREAMS)
+    if GATED:
+        if (N_STREAMS & (N_STREAMS - 1)) == 0:
+            acc = acc * (1.0 / N_STREAMS)  # exact: the same correctly rounded result as the division
+        else:
+            acc = tl.math.div_rn(acc, N_STREAMS * 1.0)
+    return acc
+
+
+@triton.jit
+def _store_x(acc, x_ptr, offsets, mask):
+    """Round fp32 ``acc`` once to x's dtype and store it; returns the rounded x in fp32 and its row |max|."""
     x = round_to_dtype(acc, x_ptr.dtype.element_ty)
     tl.store(x_ptr + offsets, x, mask=mask)
     xf = x.to(tl.float32)
-    amax = tl.max(tl.where(mask, tl.abs(xf), 0.0), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+    return xf, tl.max(tl.where(mask, tl.abs(xf), 0.0), axis=1)
+
+
+@triton.jit
+def _row_scale(amax):
+    """The quant epilogue's per-row scale: ``max(amax / 448, 1 / (448 * 512))`` with IEEE division."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+
+
+@triton.jit
+def _store_q(xf, scale, q_ptr, offsets, mask):
+    """The quant epilogue's codes: ``clamp(x / scale, ±448)`` rounded to e4m3, stored as bytes."""
     scaled = tl.minimum(tl.maximum(tl.math.div_rn(xf, scale[:, None]), -FP8_MAX), FP8_MAX)
     q = round_to_e4m3_grid(scaled).to(tl.float8e4nv)
     tl.store(q_ptr + offsets, q.to(tl.uint8, bitcast=True), mask=mask)
-    tl.store(scale_ptr + rows, scale, mask=rows < n_tokens)
 
 
 @triton.jit
-def _gated_term(xn_ptr, u_ptr, offsets, mask):
-    """``sigmoid(u) * xn`` in fp32 for one stream's block."""
-    xn = tl.load(xn_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return tl.sigmoid(u) * xn
-
-
-@triton.jit
-def _gated_mean_quant_kernel(
-    xn_ptr, u_ptr, x_ptr, q_ptr, scale_ptr, n_tokens, hidden,
-    N_STREAMS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+def _collapse_quant_kernel(
+    streams_ptr, gates_ptr, x_ptr, q_ptr, scale_ptr, n_tokens, hidden,
+    GATED: tl.constexpr, N_STREAMS: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+    SINGLE_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """``x = (sum_s sigmoid(u_s) * xn_s) / n`` for ``ROWS`` rows, then the quant epilogue."""
-    rows, cols, mask = _row_block(n_tokens, hidden, ROWS, BLOCK)
-    offsets = rows[:, None] * (N_STREAMS * hidden) + cols[None, :]
-    acc = _gated_term(xn_ptr, u_ptr, offsets, mask)
-    for s in tl.static_range(1, N_STREAMS):
-        acc += _gated_term(xn_ptr, u_ptr, offsets + s * hidden, mask)
-    acc = tl.math.div_rn(acc, N_STREAMS * 1.0)
-    _store_x_and_quant(acc, rows, cols, mask, n_tokens, hidden, x_ptr, q_ptr, scale_ptr)
+    """Collapse + quant for ``ROWS`` token rows, ``CHUNK`` columns at a time.
 
-
-@triton.jit
-def _weighted_term(h_ptr, w_ptr, rows, offsets, mask, n_tokens, s: tl.constexpr, N_STREAMS: tl.constexpr):
-    """``w[:, s] * h_s`` in fp32 for one stream's block (``offsets`` already point into stream s)."""
-    w = tl.load(w_ptr + rows * N_STREAMS + s, mask=rows < n_tokens, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return w[:, None] * h
-
-
-@triton.jit
-def _weighted_sum_quant_kernel(
-    h_ptr, w_ptr, x_ptr, q_ptr, scale_ptr, n_tokens, hidden,
-    N_STREAMS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """``x = sum_s w[:, s] * h_s`` for ``ROWS`` rows, then the quant epilogue."""
-    rows, cols, mask = _row_block(n_tokens, hidden, ROWS, BLOCK)
-    offsets = rows[:, None] * (N_STREAMS * hidden) + cols[None, :]
-    acc = _weighted_term(h_ptr, w_ptr, rows, offsets, mask, n_tokens, 0, N_STREAMS)
-    for s in tl.static_range(1, N_STREAMS):
-        acc += _weighted_term(h_ptr, w_ptr, rows, offsets + s * hidden, mask, n_tokens, s, N_STREAMS)
-    _store_x_and_quant(acc, rows, cols, mask, n_tokens, hidden, x_ptr, q_ptr, scale_ptr)
+    One chunk (``SINGLE_CHUNK``): x stays in registers for the quant. Several: each chunk of x is stored
+    with the running row max, then x is read back (from cache: this program just wrote it) to quantise.
+    """
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_tokens
+    if SINGLE_CHUNK:
+        cols = tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols[None, :] < hidden)
+        offsets = rows[:, None] * hidden + cols[None, :]
+        acc = _collapse_chunk(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, hidden, GATED, N_STREAMS)
+        xf, amax = _store_x(acc, x_ptr, offsets, mask)
+        scale = _row_scale(amax)
+        _store_q(xf, scale, q_ptr, offsets, mask)
+    else:
+        amax = tl.zeros([ROWS], dtype=tl.float32)
+        for start in range(0, hidden, CHUNK):
+            cols = start + tl.arange(0, CHUNK)
+            mask = row_ok[:, None] & (cols[None, :] < hidden)
+            acc = _collapse_chunk(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, hidden, GATED, N_STREAMS)
+            _, chunk_max = _store_x(acc, x_ptr, rows[:, None] * hidden + cols[None, :], mask)
+            amax = tl.maximum(amax, chunk_max)
+        scale = _row_scale(amax)
+        tl.debug_barrier()  # x written by other threads of this program is read below
+        for start in range(0, hidden, CHUNK):
+            cols = start + tl.arange(0, CHUNK)
+            mask = row_ok[:, None] & (cols[None, :] < hidden)
+            offsets = rows[:, None] * hidden + cols[None, :]
+            xf = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            _store_q(xf, scale, q_ptr, offsets, mask)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
 
 
 def gated_mean_quant_triton(
@@ -158,7 +202,7 @@ def gated_mean_quant_triton(
     ``xn``, ``u``: contiguous ``[T, n*S]``. ``config`` overrides :func:`default_launch_config`.
     """
     ops.validate_gated_mean_inputs(xn, u, n_streams)
-    return _launch(_gated_mean_quant_kernel, xn, u, n_streams, config)
+    return _launch(xn, u, n_streams, config, gated=True)
 
 
 def weighted_sum_quant_triton(
@@ -169,13 +213,13 @@ def weighted_sum_quant_triton(
     ``h``: contiguous ``[T, n*S]``; ``w``: contiguous ``[T, n]``.
     """
     ops.validate_weighted_sum_inputs(h, w, n_streams)
-    return _launch(_weighted_sum_quant_kernel, h, w, n_streams, config)
+    return _launch(h, w, n_streams, config, gated=False)
 
 
 def _launch(
-    kernel: triton.JITFunction, streams: torch.Tensor, gates: torch.Tensor, n_streams: int, config: LaunchConfig | None
+    streams: torch.Tensor, gates: torch.Tensor, n_streams: int, config: LaunchConfig | None, *, gated: bool
 ) -> ops.Outputs:
-    """Allocate the outputs and launch ``kernel`` over the token rows (no launch when T is 0)."""
+    """Allocate the outputs and launch the kernel over the token rows (no launch when T is 0)."""
     tokens, width = streams.shape
     hidden = width // n_streams
     x, q, scale = ops.empty_outputs(streams, hidden)
@@ -184,9 +228,10 @@ def _launch(
     cfg = config or default_launch_config(hidden)
     grid = (triton.cdiv(tokens, cfg.rows),)
     with _device_guard(streams.device):
-        kernel[grid](
+        _collapse_quant_kernel[grid](
             streams, gates, x, q.view(torch.uint8), scale, tokens, hidden,
-            N_STREAMS=n_streams, ROWS=cfg.rows, BLOCK=triton.next_power_of_2(hidden), num_warps=cfg.num_warps,
+            GATED=gated, N_STREAMS=n_streams, ROWS=cfg.rows, CHUNK=cfg.chunk, SINGLE_CHUNK=cfg.chunk >= hidden,
+            num_warps=cfg.num_warps,
         )  # fmt: skip
     return x, q, scale
 
