@@ -17,6 +17,7 @@ compiled (keyed by the same uuid, the Dynamo graph's code and the input metadata
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import getpass
 import hashlib
@@ -44,6 +45,44 @@ def _input_signature(value: Any) -> str:
     return repr(value)
 
 
+def token_position(gm: fx.GraphModule, symbol: str) -> tuple[int, int | None] | None:
+    """Where the runtime token count T is: ``(input index, None)`` for an int input, ``(index, dim)`` for
+    a tensor input with T at ``dim``; ``None`` if no Dynamo graph input carries ``symbol``."""
+    values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, value in enumerate(values):
+        if isinstance(value, torch.SymInt) and str(value) == symbol:
+            return index, None
+    for index, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if str(size) == symbol:
+                    return index, dim
+    return None
+
+
+class TokenDispatch:
+    """Runs the sharded graph for T >= ``min_tokens`` and the unsharded one below (DESIGN §4)."""
+
+    def __init__(
+        self,
+        sharded: Callable[..., Any],
+        unsharded: Callable[..., Any],
+        position: tuple[int, int | None],
+        min_tokens: int,
+    ) -> None:
+        self.sharded, self.unsharded = sharded, unsharded
+        self.index, self.dim = position
+        self.min_tokens = min_tokens
+
+    def tokens(self, args: Sequence[Any]) -> int:
+        value = args[self.index]
+        return int(value) if self.dim is None else int(value.shape[self.dim])
+
+    def __call__(self, *args: Any) -> Any:
+        chosen = self.sharded if self.tokens(args) >= self.min_tokens else self.unsharded
+        return chosen(*args)
+
+
 class HCPassesBackend:
     """A ``torch.compile`` backend object; ``reports`` holds one ``GraphReport`` per compiled graph."""
 
@@ -51,6 +90,8 @@ class HCPassesBackend:
         self.config = config
         self.reports: list[GraphReport] = []
         self.manager = PassManager(config, self._add_report, passes)
+        # The variant for small T when T is symbolic: the same pipeline without the SP rewrite.
+        self.unsharded_manager = PassManager(dataclasses.replace(config, sp_rewrite=False), self._add_report, passes)
         self._report_store = Path(tempfile.gettempdir()) / f"hcpasses_reports_{getpass.getuser()}"
 
     def _add_report(self, report: GraphReport) -> None:
@@ -58,29 +99,72 @@ class HCPassesBackend:
         self.reports.append(report)
         log.info("hcpasses report\n%s", report)
 
-    def inductor_config(self) -> dict[str, Any]:
-        patches: dict[str, Any] = {"post_grad_custom_pre_pass": self.manager}
+    def inductor_config(self, manager: PassManager, cudagraphs: bool = False) -> dict[str, Any]:
+        patches: dict[str, Any] = {"post_grad_custom_pre_pass": manager, "triton.cudagraphs": cudagraphs}
         if self.config.dump_dir:
             patches["force_disable_caches"] = True  # a cache hit runs no pass and so writes no dump
         return patches
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        compiled, reports = self._compile(gm, example_inputs, self.manager, "only")
+        sharded = [r for r in reports if "sp_rewrite" in r.applied and r.record("sp_rewrite").status == "applied"]
+        symbol = sharded[0].record("sp_rewrite").facts.get("symbolic_tokens") if sharded else None
+        if symbol is not None:
+            return self._dispatch_on_tokens(gm, example_inputs, compiled, reports, symbol)
+        if self.config.cudagraphs and not sharded:
+            # Decode-size graphs: compile again with CUDA graphs (whether SP applies is only known
+            # after the passes ran, inside the first compile).
+            compiled, _ = self._compile(gm, example_inputs, self.unsharded_manager, "cudagraphs", cudagraphs=True)
+        return compiled
+
+    def _dispatch_on_tokens(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        sharded: Callable[..., Any],
+        reports: list[GraphReport],
+        symbol: str,
+    ) -> Callable[..., Any]:
+        """With symbolic T the sharded graph is correct for every T; small T (decode) runs unsharded."""
+        position = token_position(gm, symbol)
+        if position is None:
+            log.warning("hcpasses: cannot find the token count %s among the graph inputs; always sharded", symbol)
+            return sharded
+        for report in reports:
+            report.variant = "sharded"
+        unsharded, _ = self._compile(
+            gm, example_inputs, self.unsharded_manager, "unsharded", cudagraphs=self.config.cudagraphs
+        )
+        return TokenDispatch(sharded, unsharded, position, self.config.sp_min_tokens)
+
+    def _compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        manager: PassManager,
+        variant: str,
+        cudagraphs: bool = False,
+    ) -> tuple[Callable[..., Any], list[GraphReport]]:
         seen = len(self.reports)
-        key = self._report_key(gm)
-        compiled = compile_fx(gm, list(example_inputs), config_patches=self.inductor_config())
+        key = self._report_key(gm, manager)
+        config = self.inductor_config(manager, cudagraphs)
+        compiled = compile_fx(gm, list(example_inputs), config_patches=config)
         fresh = self.reports[seen:]
         if fresh:
             self._store_reports(key, fresh)
         else:
             self._reload_reports(key)
-        return compiled
+        reports = self.reports[seen:]
+        for report in reports:
+            report.variant = variant
+        return compiled, reports
 
-    def _report_key(self, gm: fx.GraphModule) -> str:
+    def _report_key(self, gm: fx.GraphModule, manager: PassManager) -> str:
         # Source-location comments are left out: moving the model's code shifts them, not the graph.
         code = [line for line in gm.code.splitlines() if not line.strip().startswith("#")]
         # Dynamo's placeholders carry symbolic sizes where the real example inputs carry this call's.
         metas = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-        text = "|".join([self.manager.uuid(), *code, *map(_input_signature, metas)])
+        text = "|".join([manager.uuid(), *code, *map(_input_signature, metas)])
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _store_reports(self, key: str, reports: list[GraphReport]) -> None:

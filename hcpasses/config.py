@@ -38,6 +38,8 @@ class HCPassesConfig:
         sp_rewrite: shard the HC residual streams by tokens across TP ranks.
         sp_min_tokens: below this many tokens the SP rewrite is not worth its collectives.
         dump_dir: where graph diff dumps go; ``None`` writes none.
+        cudagraphs: capture the unsharded graphs (T < sp_min_tokens: decode sizes) as CUDA graphs,
+            like ``mode="reduce-overhead"``; sharded graphs are never captured.
     """
 
     cleanup: bool = True
@@ -45,9 +47,10 @@ class HCPassesConfig:
     sp_rewrite: bool = True
     sp_min_tokens: int = 1024
     dump_dir: str | None = None
+    cudagraphs: bool = False
 
     def __post_init__(self) -> None:
-        for name in PASS_NAMES:
+        for name in (*PASS_NAMES, "cudagraphs"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"hcpasses flag {name!r} must be True or False, got {value!r}")

@@ -25,11 +25,13 @@ class PassResult:
         applied: number of rewrites applied (0: the graph is unchanged).
         reason: why nothing (or not everything) was rewritten; ``None`` when there is nothing to say.
         notes: facts worth showing in the report (what was found, where a region starts and ends).
+        facts: machine-readable facts for the backend (e.g. the symbolic token count SP sharded over).
     """
 
     applied: int
     reason: str | None = None
     notes: tuple[str, ...] = ()
+    facts: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class GraphPass(abc.ABC):

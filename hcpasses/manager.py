@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -77,7 +78,9 @@ class PassManager(CustomGraphPass):
         ).hexdigest()
 
     def uuid(self) -> str:
-        return self._uuid
+        # Each rank's graph bakes in its rank (shard_rows), and ranks share one on-disk cache.
+        rank = f"{dist.get_rank()}/{dist.get_world_size()}" if dist.is_available() and dist.is_initialized() else "-"
+        return hashlib.sha256(f"{self._uuid}|{rank}".encode()).hexdigest()
 
     def __call__(self, graph: fx.Graph) -> None:
         report = GraphReport(index=-1, num_nodes_before=len(graph.nodes))  # the backend numbers it
@@ -112,7 +115,9 @@ class PassManager(CustomGraphPass):
             log.warning("hcpasses pass %s %s", name, reason)
             return PassRecord(name, "rolled_back", seconds=time.perf_counter() - start, reason=reason)
         status = "applied" if result.applied else "unchanged"
-        record = PassRecord(name, status, result.applied, seconds, result.reason, result.notes)
+        record = PassRecord(
+            name, status, result.applied, seconds, result.reason, result.notes, facts=dict(result.facts)
+        )
         if after != before and dump is not None:
             record.dump = dump.write_pass(order, name, before, after)
         return record

@@ -26,12 +26,15 @@ class PassRecord:
     reason: str | None = None
     notes: tuple[str, ...] = ()
     dump: str | None = None
+    facts: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class GraphReport:
     """The passes' results on one graph Inductor compiled, in pipeline order.
 
+    ``variant`` names which compile of the graph this is: ``only``, or with symbolic T and SP applied,
+    ``sharded`` (used for T >= sp_min_tokens) and ``unsharded`` (T below it).
     ``cached`` is true when Inductor served the graph from its cache, so no pass ran in this process;
     the records then come from the compile that filled the cache (or are empty if that record is gone).
     """
@@ -41,6 +44,7 @@ class GraphReport:
     num_nodes_after: int = 0
     passes: list[PassRecord] = dataclasses.field(default_factory=list)
     cached: bool = False
+    variant: str = "only"
 
     @property
     def applied(self) -> dict[str, int]:
@@ -60,7 +64,8 @@ class GraphReport:
 
     def __str__(self) -> str:
         origin = " (served from Inductor's cache: passes did not run in this process)" if self.cached else ""
-        lines = [f"graph {self.index}: {self.num_nodes_before} -> {self.num_nodes_after} nodes{origin}"]
+        variant = "" if self.variant == "only" else f" [{self.variant} variant]"
+        lines = [f"graph {self.index}{variant}: {self.num_nodes_before} -> {self.num_nodes_after} nodes{origin}"]
         for record in self.passes:
             line = f"  {record.name:<18} {record.status:<12} applied={record.applied:<4} {record.seconds * 1e3:7.2f} ms"
             if record.reason:

@@ -301,9 +301,8 @@ class SPRewrite(GraphPass):
             f"region exits gathered: {', '.join(gathered)}",
             f"rows per rank: ceil({tokens}/{tp})",
         ]
-        if not isinstance(tokens, int):
-            notes.append(f"symbolic token count: {tokens}")
-        return PassResult(len(region.collapses), None, tuple(notes))
+        facts = {} if isinstance(tokens, int) else {"symbolic_tokens": str(tokens)}
+        return PassResult(len(region.collapses), None, tuple(notes), facts)
 
     def _find_region(
         self, graph: fx.Graph, collapses: list[FoundCollapse], reduces: list[tuple[fx.Node, fx.Node]]
