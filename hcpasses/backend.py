@@ -73,14 +73,16 @@ class TokenDispatch:
         self.sharded, self.unsharded = sharded, unsharded
         self.index, self.dim = position
         self.min_tokens = min_tokens
+        self.calls = {"sharded": 0, "unsharded": 0}  # how often each variant ran, for reports and tests
 
     def tokens(self, args: Sequence[Any]) -> int:
         value = args[self.index]
         return int(value) if self.dim is None else int(value.shape[self.dim])
 
     def __call__(self, *args: Any) -> Any:
-        chosen = self.sharded if self.tokens(args) >= self.min_tokens else self.unsharded
-        return chosen(*args)
+        variant = "sharded" if self.tokens(args) >= self.min_tokens else "unsharded"
+        self.calls[variant] += 1
+        return (self.sharded if variant == "sharded" else self.unsharded)(*args)
 
 
 class HCPassesBackend:
@@ -89,6 +91,7 @@ class HCPassesBackend:
     def __init__(self, config: HCPassesConfig, passes: Sequence[GraphPass] = PIPELINE) -> None:
         self.config = config
         self.reports: list[GraphReport] = []
+        self.dispatchers: list[TokenDispatch] = []  # one per graph compiled in two variants
         self.manager = PassManager(config, self._add_report, passes)
         # The variant for small T when T is symbolic: the same pipeline without the SP rewrite.
         self.unsharded_manager = PassManager(dataclasses.replace(config, sp_rewrite=False), self._add_report, passes)
@@ -135,7 +138,9 @@ class HCPassesBackend:
         unsharded, _ = self._compile(
             gm, example_inputs, self.unsharded_manager, "unsharded", cudagraphs=self.config.cudagraphs
         )
-        return TokenDispatch(sharded, unsharded, position, self.config.sp_min_tokens)
+        dispatch = TokenDispatch(sharded, unsharded, position, self.config.sp_min_tokens)
+        self.dispatchers.append(dispatch)
+        return dispatch
 
     def _compile(
         self,
