@@ -419,6 +419,8 @@ class _Rewriter:
             new_wait = self.graph.call_function(WAIT, (scattered,))
         self.region.nodes.add(new_wait)  # its users outside the region get a gather like any region value
         wait.replace_all_uses_with(new_wait)
+        self.graph.erase_node(wait)  # collectives are impure: dead-code elimination keeps them
+        self.graph.erase_node(all_reduce)
 
     def _pad_rows(self, partial: fx.Node) -> fx.Node:
         if isinstance(self.tokens, int) and self.tokens % self.tp == 0:

@@ -103,15 +103,18 @@ class RecordingPass(CustomGraphPass):
     ``inner``, when given, is a user pass that runs first: the recorded graph is the graph after it.
     """
 
-    def __init__(self, inner: Callable[[torch.fx.Graph], None] | None = None) -> None:
+    def __init__(self, inner: Callable[[torch.fx.Graph], None] | None = None, stop: bool = False) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
         self.inner = inner
+        self.stop = stop
         self._token = uuid.uuid4().hex
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.inner is not None:
             self.inner(graph)
         self.graphs.append(copy_graph(graph))
+        if self.stop:
+            raise _Recorded  # skip Inductor's codegen: only the graph is wanted
 
     def uuid(self) -> str:
         """Unique per instance: a cached graph is never reused for a recording pass."""
@@ -121,6 +124,10 @@ class RecordingPass(CustomGraphPass):
     def __deepcopy__(self, memo: dict[int, Any]) -> RecordingPass:
         # Inductor may deep-copy its config; the copy must record into the same list.
         return self
+
+
+class _Recorded(Exception):
+    """Raised by a stopping RecordingPass once the graph is recorded."""
 
 
 @dataclass
@@ -139,9 +146,10 @@ def _snapshot(args: Sequence[Any]) -> list[Any]:
 class _CapturingBackend:
     """A ``torch.compile`` backend: Inductor with a recording post-grad pre pass; records call arguments."""
 
-    def __init__(self, config_patches: dict[str, Any] | None) -> None:
+    def __init__(self, config_patches: dict[str, Any] | None, codegen: bool = True) -> None:
         patches = {**_CACHE_PATCHES, **(config_patches or {})}
-        self.recorder = RecordingPass(inner=patches.pop("post_grad_custom_pre_pass", None))
+        inner = patches.pop("post_grad_custom_pre_pass", None)
+        self.recorder = RecordingPass(inner=inner, stop=not codegen)
         self.patches = {**patches, "post_grad_custom_pre_pass": self.recorder}
         self.compiled: list[_Compiled] = []
 
@@ -149,7 +157,12 @@ class _CapturingBackend:
         from torch._inductor.compile_fx import compile_fx  # imported late: importing Inductor is slow
 
         before = len(self.recorder.graphs)
-        compiled = compile_fx(gm, list(example_inputs), config_patches=self.patches)
+        try:
+            compiled = compile_fx(gm, list(example_inputs), config_patches=self.patches)
+        except Exception:  # Inductor wraps what its passes raise (InductorError on 2.13)
+            if not (self.recorder.stop and len(self.recorder.graphs) > before):
+                raise
+            compiled = gm.forward  # without codegen, the capture run itself runs Dynamo's graph eagerly
         entry = _Compiled(graphs=self.recorder.graphs[before:])
         self.compiled.append(entry)
 
@@ -234,6 +247,7 @@ def capture_post_grad(
     extra_args: Sequence[Sequence[Any]] = (),
     fullgraph: bool = False,
     no_grad: bool = True,
+    codegen: bool = True,
 ) -> list[CapturedGraph]:
     """Compile ``fn`` (a module or function), run it on ``args``, return its post-grad graphs in order.
 
@@ -242,9 +256,10 @@ def capture_post_grad(
     the capture as ``rank`` of a ``fake`` process group of size ``tp`` (an existing default group of that
     rank and size is reused). ``extra_args`` are further calls after the first; each compiled graph
     records the arguments of every call it serves. Runs under ``torch.no_grad()`` unless ``no_grad`` is
-    False. Dynamo is reset before and after.
+    False. ``codegen=False`` stops the compile once the graph is recorded (much faster; the capture
+    run then executes Dynamo's graph eagerly). Dynamo is reset before and after.
     """
-    backend = _CapturingBackend(config_patches)
+    backend = _CapturingBackend(config_patches, codegen)
     use_group = tp > 1 if fake_pg is None else fake_pg
     with _group_for(rank, tp, use_group):
         torch.compiler.reset()

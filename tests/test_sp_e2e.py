@@ -1,0 +1,123 @@
+"""The SP rewrite through ``torch.compile(backend=...)``: real graphs (fake group) and 2 gloo processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from harness import fake_process_group
+from harness.toy import D_MODEL, build_toy_mlp
+
+import hcpasses
+from hcpasses.multiproc import run_ranks
+from models import HCConfig, HCDecoder
+
+TINY = dict(n_heads=12, n_kv_heads=12, intermediate=96)
+
+
+def compile_once(model: torch.nn.Module, ids: torch.Tensor, **flags: Any) -> hcpasses.HCPassesBackend:
+    torch._dynamo.reset()
+    be = hcpasses.backend(**flags)
+    with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
+        torch.compile(model, backend=be)(ids)
+    return be
+
+
+@pytest.fixture
+def rank0_of_2() -> Iterator[None]:
+    with fake_process_group(0, 2):
+        yield
+
+
+def sp_record(be: hcpasses.HCPassesBackend) -> hcpasses.PassRecord:
+    return be.reports[-1].record("sp_rewrite")
+
+
+@pytest.mark.usefixtures("rank0_of_2")
+def test_fires_on_every_hc_block_of_the_builtin_model() -> None:
+    cfg = HCConfig.tiny(n_layers=3, fp8=True, **TINY)
+    be = compile_once(HCDecoder(cfg), torch.randint(0, 64, (37,)), sp_min_tokens=16)
+    record = sp_record(be)
+    assert record.status == "applied"
+    assert record.applied == 2 * cfg.n_layers + 1  # attention + MLP HC per layer, final mixer
+    assert "collectives: 6 all-reduce -> reduce-scatter; 13 all-gathers added" in record.notes
+    assert be.reports[-1].applied["gated_mean_quant"] == 2 * cfg.n_layers
+
+
+@pytest.mark.usefixtures("rank0_of_2")
+def test_threshold_keeps_small_static_graphs_unsharded() -> None:
+    be = compile_once(HCDecoder(HCConfig.tiny(**TINY)), torch.randint(0, 64, (37,)), sp_min_tokens=64)
+    assert sp_record(be).status == "unchanged"
+    assert sp_record(be).reason == "T=37 < sp_min_tokens=64"
+
+
+@pytest.mark.usefixtures("rank0_of_2")
+def test_leaves_a_non_hc_tp_graph_alone() -> None:
+    be = compile_once(build_toy_mlp(0, 2), torch.randn(9, D_MODEL), sp_min_tokens=1)
+    assert sp_record(be).status == "unchanged"
+    assert sp_record(be).reason == "no HC block (stream collapse) in this graph"
+
+
+@pytest.mark.usefixtures("rank0_of_2")
+def test_unsupported_all_reduce_leaves_the_graph_unsharded(monkeypatch) -> None:
+    def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.copy_(funcol.all_reduce(tensor, "max", dist.group.WORLD))
+
+    monkeypatch.setattr("models.tp.dist.all_reduce", all_reduce_max)
+    be = compile_once(HCDecoder(HCConfig.tiny(**TINY)), torch.randint(0, 64, (37,)), sp_min_tokens=1)
+    assert len(be.reports) == 1  # one graph: the patched reduce traces
+    record = sp_record(be)
+    assert record.status == "unchanged"
+    assert "is not a waited sum over the default group" in record.reason
+
+
+def e2e_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Both passes on, through torch.compile, on real gloo collectives."""
+    cfg = HCConfig.tiny(n_layers=3, fp8=True, ple_layer=2, seed=5, **TINY)  # PLE in the last layer
+    results: dict[str, Any] = {}
+    model = HCDecoder(cfg)
+    with torch.no_grad():
+        be = hcpasses.backend(sp_min_tokens=8)
+        compiled = torch.compile(lambda ids: model(ids, return_hc_state=True), backend=be, dynamic=True)
+        for tokens in (5, 16, 33, 9, 2):  # below and above the threshold, odd, equal to tp
+            results[f"dynamic-{tokens}"] = compiled(token_ids(tokens))
+        results["dynamic-reports"] = [str(r) for r in be.reports]
+        results["dynamic-calls"] = [d.calls for d in be.dispatchers]
+        for tokens in (1, 7):  # T < tp, odd T; static graphs
+            torch._dynamo.reset()
+            be = hcpasses.backend(sp_min_tokens=1)
+            out = torch.compile(lambda ids: model(ids, return_hc_state=True), backend=be, dynamic=False)(
+                token_ids(tokens)
+            )
+            results[f"static-{tokens}"] = out
+            results[f"static-{tokens}-sp"] = be.reports[-1].record("sp_rewrite").status
+    return results
+
+
+def token_ids(tokens: int) -> torch.Tensor:
+    return torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
+
+
+def test_two_gloo_ranks_match_single_device_eager() -> None:
+    results = run_ranks(e2e_rank, 2, timeout_s=900)
+    cfg = HCConfig.tiny(n_layers=3, fp8=True, ple_layer=2, seed=5, **TINY)
+    reference = HCDecoder(cfg, tp_rank=0, tp_size=1)
+    for rank_results in results:
+        for key, value in rank_results.items():
+            if not key.split("-")[-1].isdigit():
+                continue
+            with torch.no_grad():
+                logits, state = reference(token_ids(int(key.split("-")[-1])), return_hc_state=True)
+            torch.testing.assert_close(value[0], logits, rtol=1e-4, atol=1e-4, msg=key)
+            torch.testing.assert_close(value[1], state, rtol=1e-4, atol=1e-4, msg=key)
+    first = results[0]
+    assert first["static-1-sp"] == "applied" and first["static-7-sp"] == "applied"
+    # one dynamic graph in two variants (+ Dynamo's own graph for T=2? no: 2 is dynamic), no recompile per T
+    assert first["dynamic-calls"] == [{"sharded": 2, "unsharded": 3}], first["dynamic-reports"]
+    reports = first["dynamic-reports"]
+    assert "[sharded variant]" in reports[0] and "[unsharded variant]" in reports[1]
+    assert "gated_mean_quant   applied" in reports[0]
