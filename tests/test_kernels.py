@@ -1,0 +1,393 @@
+"""Tests of the fused HC collapse + per-token FP8 quant ops and their Triton kernels (hcpasses.kernels).
+
+Two parts:
+
+- The custom ops on CPU (their torch reference): fake implementations, the math against a float64
+  formula, and the quant part bit-exact against :func:`models.fp8.quantize_per_token`.
+- :class:`TestTritonKernels`: the Triton kernels against the torch reference — q and scale bit-exact given
+  the kernel's own x, x within one ulp of its dtype. They run compiled on CUDA when a GPU is present and,
+  always where Triton is installed, under ``TRITON_INTERPRET=1`` on CPU. The interpreter must be chosen
+  before Triton is imported, and setting it for the whole session could change how Inductor behaves in
+  other test files, so :func:`test_triton_kernels_under_interpreter` runs the class in a child pytest.
+  The interpreter is slow: its hypothesis sweeps are capped at ``MAX_KERNEL_EXAMPLES`` examples.
+"""
+
+import dataclasses
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hcpasses.kernels import gated_mean_quant as ops
+from hcpasses.kernels import gated_mean_quant_reference, quant_epilogue_reference, weighted_sum_quant_reference
+from models import fp8
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Where TestTritonKernels runs: CPU tensors under the interpreter, else the GPU if there is one.
+KERNEL_DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+MAX_KERNEL_EXAMPLES = 60
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FP32_EPS = 2.0**-24
+FLUSH_SLACK = 4 * torch.finfo(torch.float32).tiny  # up to n = 4 subnormal terms flushed to zero
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Row-magnitude exponents (base 10) each dtype can hold without overflowing the stream sum.
+EXPONENT_RANGE = {torch.float32: (-30, 30), torch.bfloat16: (-30, 30), torch.float16: (-7, 2)}
+HUGE = {torch.float32: 1e37, torch.bfloat16: 1e37, torch.float16: 1e4}
+OPS = {
+    "gated_mean_quant": (torch.ops.hcpasses.gated_mean_quant.default, gated_mean_quant_reference),
+    "weighted_sum_quant": (torch.ops.hcpasses.weighted_sum_quant.default, weighted_sum_quant_reference),
+}
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from hcpasses.kernels.triton_gated_mean_quant import (
+        LaunchConfig,
+        gated_mean_quant_triton,
+        round_to_dtype,
+        round_to_e4m3_grid,
+        weighted_sum_quant_triton,
+    )
+
+    TRITON_FUNCS = {"gated_mean_quant": gated_mean_quant_triton, "weighted_sum_quant": weighted_sum_quant_triton}
+
+    @triton.jit
+    def _e4m3_kernel(v_ptr, grid_ptr, q_ptr, n, BLOCK: tl.constexpr):
+        """Store ``round_to_e4m3_grid(v)`` (fp32) and its FP8 cast (as bytes)."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        rounded = round_to_e4m3_grid(tl.load(v_ptr + offsets, mask=mask, other=0.0))
+        tl.store(grid_ptr + offsets, rounded, mask=mask)
+        tl.store(q_ptr + offsets, rounded.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+
+    @triton.jit
+    def _cast_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """Store ``round_to_dtype(v, out dtype)``."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
+        tl.store(out_ptr + offsets, round_to_dtype(v, out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One random problem: sizes, dtype, row magnitudes (powers of ten) and special rows."""
+
+    tokens: int
+    hidden: int
+    n_streams: int
+    dtype: torch.dtype
+    seed: int
+    exponent: int
+    spread: int
+    zero_rows: int
+    huge_rows: int
+    fp32_gates: bool = False
+
+    def inputs(self, op: str, device: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``(streams [T, n*S], gates, zero row indices)``; gates are ``u [T, n*S]`` or ``w [T, n]``.
+
+        Gates are in the streams' dtype or, with ``fp32_gates``, in fp32 (mHC's scalar gates are fp32).
+        """
+        gen = torch.Generator().manual_seed(self.seed)
+        width = self.n_streams * self.hidden
+        lo, hi = EXPONENT_RANGE[self.dtype]
+        row_exp = (self.exponent + (2 * torch.rand(self.tokens, 1, generator=gen) - 1) * self.spread).clamp(lo, hi)
+        streams = torch.randn(self.tokens, width, generator=gen, dtype=torch.float64) * 10.0**row_exp
+        special = torch.randperm(self.tokens, generator=gen).tolist()
+        zero, huge = special[: self.zero_rows], special[self.zero_rows : self.zero_rows + self.huge_rows]
+        streams[zero] = 0.0
+        for row in huge:
+            col = int(torch.randint(width, (1,), generator=gen))
+            streams[row, col] = HUGE[self.dtype] * (1 if torch.rand(1, generator=gen) < 0.5 else -1)
+        if op == "gated_mean_quant":
+            gate_exp = 2.5 * torch.rand(self.tokens, 1, generator=gen) - 1
+            gates = torch.randn(self.tokens, width, generator=gen, dtype=torch.float64) * 10.0**gate_exp
+        else:
+            gates = torch.randn(self.tokens, self.n_streams, generator=gen, dtype=torch.float64).clamp(-4, 4)
+        gate_dtype = torch.float32 if self.fp32_gates else self.dtype
+        return streams.to(self.dtype).to(device), gates.to(gate_dtype).to(device), zero
+
+
+@st.composite
+def cases(draw: st.DrawFn, max_elements: int = 90_000) -> Case:
+    """Odd sizes (S not only powers of two), n in {2, 4}, every activation dtype, magnitudes over the range."""
+    dtype = draw(st.sampled_from(DTYPES))
+    hidden = draw(st.one_of(st.integers(1, 300), st.sampled_from([256, 512, 2560])))
+    tokens = draw(st.integers(1, max(1, min(300, max_elements // hidden))))
+    lo, hi = EXPONENT_RANGE[dtype]
+    return Case(
+        tokens=tokens,
+        hidden=hidden,
+        n_streams=draw(st.sampled_from([2, 4])),
+        dtype=dtype,
+        seed=draw(st.integers(0, 2**32 - 1)),
+        exponent=draw(st.integers(lo, hi)),
+        spread=draw(st.integers(0, 8)),
+        zero_rows=draw(st.integers(0, min(2, tokens))),
+        huge_rows=draw(st.integers(0, 2)),
+        fp32_gates=draw(st.booleans()),
+    )
+
+
+def chunked_configs(hidden: int) -> st.SearchStrategy:
+    """Launch configs that split a row of ``hidden`` columns into several chunks (when it has more than one)."""
+    block = 1 << max(0, (hidden - 1).bit_length())
+    return st.builds(
+        lambda rows, split, warps: LaunchConfig(rows, max(1, block // split), warps),
+        st.sampled_from([1, 2, 4]),
+        st.sampled_from([2, 4, 8]),
+        st.sampled_from([1, 2, 4]),
+    )
+
+
+def _formula_x(op: str, streams: torch.Tensor, gates: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The collapse in float64 straight from its definition, and the scale of fp32 error its terms allow.
+
+    That scale is ``sum_s |term_s| * (16 + |u_s|)`` in units of fp32 eps: a few roundings per term, and a
+    GPU sigmoid (``exp2(-u * log2 e)`` with the product rounded) is off by up to ``|u| / 2`` fp32 ulps.
+    """
+    s = streams.double().cpu().unflatten(-1, (n, -1))
+    g = gates.double().cpu()
+    if op == "gated_mean_quant":
+        terms = torch.sigmoid(g).unflatten(-1, (n, -1)) * s / n
+        return terms.sum(-2), (terms.abs() * (16 + g.abs().unflatten(-1, (n, -1)))).sum(-2) * FP32_EPS
+    terms = g.unsqueeze(-1) * s
+    return terms.sum(-2), 16 * terms.abs().sum(-2) * FP32_EPS
+
+
+def _assert_x_close(x: torch.Tensor, expected: torch.Tensor, fp32_error: torch.Tensor) -> None:
+    """``|x - expected| <= 1 ulp of x's dtype (at the larger of the two) + fp32_error + FLUSH_SLACK``.
+
+    ``fp32_error`` comes from :func:`_formula_x`; ``FLUSH_SLACK`` lets a GPU flush fp32 subnormal terms.
+    """
+    assert torch.isfinite(x).all()
+    xd, ed = x.double().cpu(), expected.double().cpu()
+    big = torch.maximum(xd.abs(), ed.abs()).to(x.dtype)
+    ulp = torch.nextafter(big, torch.full_like(big, math.inf)).double() - big.double()
+    bound = ulp + fp32_error + FLUSH_SLACK
+    err = (xd - ed).abs()
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), f"x off by {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g} at {worst}"
+
+
+def _assert_quant_matches(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero_rows: list[int]) -> None:
+    """q and scale bit-exact against the quant reference applied to ``x``; zero rows: floor scale, zero codes."""
+    assert q.dtype == ops.FP8_DTYPE and q.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == (x.shape[0], 1)
+    q_ref, scale_ref = quant_epilogue_reference(x)
+    codes, codes_ref = q.view(torch.uint8), q_ref.view(torch.uint8)
+    assert torch.isfinite(scale).all() and not q.float().isnan().any()
+    assert torch.equal(scale, scale_ref), f"{int((scale != scale_ref).sum())} scales differ"
+    assert torch.equal(codes, codes_ref), f"{int((codes != codes_ref).sum())} codes differ"
+    floor = torch.tensor(ops.MIN_SCALE, dtype=torch.float32)
+    assert (scale[zero_rows].cpu() == floor).all() and (q[zero_rows].float() == 0).all()  # -0.0 for a negative gate
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The custom ops on CPU: the torch reference.
+
+
+def test_constants_follow_models_fp8() -> None:
+    assert (ops.FP8_MAX, ops.MIN_SCALE, ops.FP8_DTYPE) == (fp8.FP8_MAX, fp8.MIN_SCALE, fp8.FP8_DTYPE)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@given(case=cases(max_elements=30_000))
+def test_op_matches_formula_and_models_quant(op: str, case: Case) -> None:
+    """CPU op: x within 1 ulp of the float64 formula; q, scale bit-exact against ``quantize_per_token(x)``."""
+    streams, gates, zero = case.inputs(op, "cpu")
+    x, q, scale = OPS[op][0](streams, gates, case.n_streams)
+    assert x.dtype == case.dtype and x.shape == (case.tokens, case.hidden)
+    _assert_x_close(x, *_formula_x(op, streams, gates, case.n_streams))
+    q_ref, scale_ref = fp8.quantize_per_token(x)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    _assert_quant_matches(x, q, scale, zero)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.tuples(st.integers(1, 64), st.integers(1, 300)),
+    exponent=st.integers(-30, 30),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_quant_epilogue_bit_exact_with_models_fp8(
+    dtype: torch.dtype, shape: tuple[int, int], exponent: int, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    scales = 10.0 ** (exponent + 4 * torch.rand(shape[0], 1, generator=gen, dtype=torch.float64) - 2)
+    x = (rows * scales).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+    x[0] = 0.0
+    q, scale = quant_epilogue_reference(x)
+    q_ref, scale_ref = fp8.quantize_per_token(x)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert scale[0].item() == torch.tensor(ops.MIN_SCALE, dtype=torch.float32).item() and not q[0].float().any()
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(op: str, dtype: torch.dtype) -> None:
+    streams, gates, _ = Case(5, 24, 4, dtype, 0, 0, 1, 1, 0).inputs(op, "cpu")
+    torch.library.opcheck(OPS[op][0], (streams, gates, 4))
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_fake_impl_shapes(op: str) -> None:
+    with FakeTensorMode():
+        streams = torch.empty(7, 4 * 33, dtype=torch.bfloat16)
+        gates = torch.empty(7, 4 * 33 if op == "gated_mean_quant" else 4)
+        if op == "gated_mean_quant":
+            gates = gates.to(torch.bfloat16)
+        x, q, scale = OPS[op][0](streams, gates, 4)
+    assert (x.shape, x.dtype) == ((7, 33), torch.bfloat16)
+    assert (q.shape, q.dtype) == ((7, 33), torch.float8_e4m3fn)
+    assert (scale.shape, scale.dtype) == ((7, 1), torch.float32)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_dynamic_token_count_through_compile(op: str) -> None:
+    """The fake impl works with a symbolic T: one compiled graph serves several token counts."""
+    fn = torch.compile(lambda a, b: OPS[op][0](a, b, 2), backend="aot_eager", dynamic=True, fullgraph=True)
+    for tokens in (3, 17, 1):
+        streams, gates, _ = Case(tokens, 10, 2, torch.bfloat16, tokens, 0, 2, 0, 0).inputs(op, "cpu")
+        for got, want in zip(fn(streams, gates), OPS[op][1](streams, gates, 2), strict=True):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_tiny_token_counts(op: str, tokens: int) -> None:
+    streams, gates, _ = Case(tokens, 5, 4, torch.float16, 3, 0, 0, 0, 0).inputs(op, "cpu")
+    x, q, scale = OPS[op][0](streams, gates, 4)
+    assert x.shape == q.shape == (tokens, 5) and scale.shape == (tokens, 1)
+
+
+def _bad_inputs(op: str) -> list[tuple[torch.Tensor, torch.Tensor, int, str]]:
+    """``(streams, gates, n_streams, message pattern)`` that the op must reject."""
+    good = torch.randn(3, 8)
+    gates = good.clone() if op == "gated_mean_quant" else torch.randn(3, 2)
+    return [
+        (good.view(3, 2, 4), gates, 2, r"shape \(3, 2, 4\)"),
+        (good.t().contiguous().t(), gates, 2, "contiguous=False"),
+        (good.double(), gates, 2, "dtype torch.float64"),
+        (good.to(torch.int32), gates, 2, "dtype torch.int32"),
+        (good, gates, 3, "divisible by n_streams=3"),
+        (good, gates, 0, "n_streams=0"),
+        (torch.randn(3, 0), gates, 2, "non-zero width"),
+        (good, gates[:2], 2, r"got \(2, "),
+        (good, gates.double(), 2, "dtype torch.float64"),
+    ]
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_bad_inputs_raise_value_error(op: str) -> None:
+    for streams, gates, n, pattern in _bad_inputs(op):
+        with pytest.raises(ValueError, match=pattern):
+            OPS[op][0](streams, gates, n)
+        with pytest.raises(ValueError, match=pattern), FakeTensorMode(allow_non_fake_inputs=True):
+            OPS[op][0](streams, gates, n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Triton kernels: compiled on CUDA, or on CPU under TRITON_INTERPRET=1 (in a child pytest, below).
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs Triton; this is the parent of the interpreter run")
+def test_triton_kernels_under_interpreter() -> None:
+    """Run :class:`TestTritonKernels` in a child pytest with ``TRITON_INTERPRET=1`` (CPU tensors)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::TestTritonKernels"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=540, check=False)
+    assert proc.returncode == 0 and " passed" in proc.stdout, f"{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+
+
+def _e4m3_probe_values() -> torch.Tensor:
+    """Every e4m3 grid value and midpoint in [0, 448], 2 fp32 ulps either side, random bit patterns; both signs."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    centres = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    near, up, down = [centres], centres, centres
+    for _ in range(2):
+        up, down = torch.nextafter(up, torch.tensor(math.inf)), torch.nextafter(down, torch.tensor(0.0))
+        near += [up, down]
+    gen = torch.Generator().manual_seed(0)
+    bits_of_448 = int(torch.tensor(448.0).view(torch.int32))
+    random = torch.randint(0, bits_of_448 + 1, (200_000,), generator=gen, dtype=torch.int32).view(torch.float32)
+    values = torch.cat([*near, random, torch.tensor([0.0, 2.0**-149, 2.0**-126, 2.0**-10, 2.0**-9, 2.0**-6])])
+    values = values[values <= 448.0]
+    return torch.cat([values, -values])
+
+
+def _kernel_examples(test: object) -> object:
+    """Hypothesis settings for kernel sweeps: the profile's example count, capped at ``MAX_KERNEL_EXAMPLES``."""
+    return settings(max_examples=min(settings().max_examples, MAX_KERNEL_EXAMPLES))(test)
+
+
+@pytest.mark.skipif(not HAS_TRITON or KERNEL_DEVICE is None, reason="needs Triton and a GPU or TRITON_INTERPRET=1")
+class TestTritonKernels:
+    """The Triton kernels against the torch reference, on ``KERNEL_DEVICE``."""
+
+    def test_e4m3_rounding_matches_torch_cast(self) -> None:
+        values = _e4m3_probe_values().to(KERNEL_DEVICE)
+        rounded, codes = torch.empty_like(values), torch.empty(values.shape, dtype=torch.uint8, device=KERNEL_DEVICE)
+        _e4m3_kernel[(triton.cdiv(values.numel(), 4096),)](values, rounded, codes, values.numel(), BLOCK=4096)
+        expected = values.to(torch.float8_e4m3fn)
+        assert torch.equal(codes, expected.view(torch.uint8)), f"{int((codes != expected.view(torch.uint8)).sum())}"
+        assert torch.equal(rounded.view(torch.int32), expected.float().view(torch.int32))
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_round_to_dtype_matches_torch_cast(self, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(1)
+        bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=gen, dtype=torch.int32)
+        ties = (bits & ~0xFFFF) | 0x8000  # exactly half a bf16 ulp
+        values = torch.cat([bits, ties]).view(torch.float32)
+        values = values[torch.isfinite(values)].to(KERNEL_DEVICE)
+        out = torch.empty(values.shape, dtype=dtype, device=KERNEL_DEVICE)
+        _cast_kernel[(triton.cdiv(values.numel(), 4096),)](values, out, values.numel(), BLOCK=4096)
+        expected = values.to(dtype)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+    @pytest.mark.parametrize("op", list(OPS))
+    @_kernel_examples
+    @given(case=cases(max_elements=40_000), data=st.data())
+    def test_kernel_matches_reference(self, op: str, case: Case, data: st.DataObject) -> None:
+        """Default launch (the whole row in one chunk) or a drawn one (rows in several chunks, re-read)."""
+        streams, gates, zero = case.inputs(op, KERNEL_DEVICE)
+        config = data.draw(st.one_of(st.none(), chunked_configs(case.hidden)))
+        x, q, scale = TRITON_FUNCS[op](streams, gates, case.n_streams, config)
+        assert x.dtype == case.dtype and x.shape == (case.tokens, case.hidden)
+        _assert_quant_matches(x, q, scale, zero)
+        x_ref, _, _ = OPS[op][1](streams, gates, case.n_streams)
+        _assert_x_close(x, x_ref, _formula_x(op, streams, gates, case.n_streams)[1])
+
+    @pytest.mark.parametrize("op", list(OPS))
+    @pytest.mark.parametrize("config", [(1, 32, 1), (2, 64, 2), (4, 128, 2), (1, 4096, 4)], ids=str)
+    def test_launch_config_does_not_change_results(self, op: str, config: tuple[int, int, int]) -> None:
+        streams, gates, _ = Case(37, 100, 4, torch.bfloat16, 5, 0, 3, 1, 1).inputs(op, KERNEL_DEVICE)
+        default = TRITON_FUNCS[op](streams, gates, 4)
+        for got, want in zip(TRITON_FUNCS[op](streams, gates, 4, LaunchConfig(*config)), default, strict=True):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+    @pytest.mark.parametrize("op", list(OPS))
+    def test_zero_tokens(self, op: str) -> None:
+        streams, gates, _ = Case(0, 9, 2, torch.bfloat16, 0, 0, 0, 0, 0).inputs(op, KERNEL_DEVICE)
+        x, q, scale = TRITON_FUNCS[op](streams, gates, 2)
+        assert x.shape == q.shape == (0, 9) and scale.shape == (0, 1)
+
+    @pytest.mark.skipif(KERNEL_DEVICE != "cuda", reason="the op dispatches to Triton on CUDA only")
+    @pytest.mark.parametrize("op", list(OPS))
+    def test_cuda_op_runs_the_triton_kernel(self, op: str) -> None:
+        streams, gates, _ = Case(64, 2560, 4, torch.bfloat16, 9, 0, 2, 1, 1).inputs(op, "cuda")
+        torch.library.opcheck(OPS[op][0], (streams, gates, 4))
+        for got, want in zip(OPS[op][0](streams, gates, 4), TRITON_FUNCS[op](streams, gates, 4), strict=True):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
