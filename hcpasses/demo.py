@@ -30,20 +30,22 @@ def _demo_config(fp8: bool, ple_layer: int | None):
     return HCConfig.tiny(fp8=fp8, ple_layer=ple_layer, seed=1234)
 
 
-def _rank_main(rank: int, world_size: int, ids: torch.Tensor, fp8: bool, ple: int | None, dumps: str) -> DemoResult:
+def _rank_main(
+    rank: int, world_size: int, ids: torch.Tensor, fp8: bool, ple: int | None, dumps: str, sp_min_tokens: int
+) -> DemoResult:
     import hcpasses
     from models import HCDecoder
 
     on_gpu = torch.cuda.is_available() and world_size <= torch.cuda.device_count()
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     model = HCDecoder(_demo_config(fp8, ple)).to(device)
-    be = hcpasses.backend(dump_dir=dumps)
+    be = hcpasses.backend(dump_dir=dumps, sp_min_tokens=sp_min_tokens)
     with torch.no_grad():
         logits = torch.compile(model, backend=be)(ids.to(device))
     return DemoResult([str(r) for r in be.reports], logits.float().cpu())
 
 
-def run_demo(tp: int, tokens: int, fp8: bool, ple_layer: int | None, dump_dir: str) -> float:
+def run_demo(tp: int, tokens: int, fp8: bool, ple_layer: int | None, dump_dir: str, sp_min_tokens: int) -> float:
     """Run the demo, print what happened, return the max |compiled TP - eager single device|."""
     from models import HCDecoder
 
@@ -53,9 +55,13 @@ def run_demo(tp: int, tokens: int, fp8: bool, ple_layer: int | None, dump_dir: s
         reference = HCDecoder(cfg, tp_rank=0, tp_size=1)(ids).float()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = "nccl" if gpus >= tp else "gloo"
-    results = run_ranks(_rank_main, tp, ids, fp8, ple_layer, dump_dir, backend=backend, timeout_s=600)
+    args = (ids, fp8, ple_layer, dump_dir, sp_min_tokens)
+    results = run_ranks(_rank_main, tp, *args, backend=backend, timeout_s=600)
     max_diff = max(float((r.logits - reference).abs().max()) for r in results)
-    print(f"hcpasses demo: tiny HC model (fp8={fp8}, ple_layer={ple_layer}), T={tokens}, TP {tp} over {backend}")
+    print(
+        f"hcpasses demo: tiny HC model (fp8={fp8}, ple_layer={ple_layer}), T={tokens}, TP {tp} over {backend}, "
+        f"sp_min_tokens={sp_min_tokens}"
+    )
     print("\nrank 0 reports:")
     for text in results[0].reports:
         print(text)
@@ -78,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--ple-layer", type=int, default=None, help="layer index holding the PLE layer")
     demo.add_argument("--dump-dir", default=os.environ.get("HCPASSES_DUMP_DIR", "hcpasses_dumps"))
+    demo.add_argument(
+        "--sp-min-tokens", type=int, default=None, help="SP threshold (default: the demo's T, so SP fires)"
+    )
     args = parser.parse_args(argv)
     if args.tp < 1 or args.tokens < 1:
         parser.error("--tp and --tokens must be >= 1")
-    max_diff = run_demo(args.tp, args.tokens, args.fp8, args.ple_layer, args.dump_dir)
+    sp_min_tokens = args.sp_min_tokens if args.sp_min_tokens is not None else args.tokens
+    max_diff = run_demo(args.tp, args.tokens, args.fp8, args.ple_layer, args.dump_dir, sp_min_tokens)
     tolerance = 1e-3
     if max_diff > tolerance:
         print(f"FAILED: difference {max_diff:.3e} exceeds {tolerance:.0e}")

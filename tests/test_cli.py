@@ -38,6 +38,8 @@ def test_demo_runs_at_tp2_and_matches_eager(tmp_path) -> None:
     assert "graph 0:" in proc.stdout and "cleanup" in proc.stdout
     fusion = next(line for line in proc.stdout.splitlines() if line.strip().startswith("gated_mean_quant"))
     assert "applied=4" in fusion  # attention and MLP HC of both layers of the tiny FP8 model
+    sp = next(line for line in proc.stdout.splitlines() if line.strip().startswith("sp_rewrite"))
+    assert "applied=5" in sp  # the 4 HC blocks and the final mixer run on token shards
     diff_line = next(line for line in proc.stdout.splitlines() if line.startswith("max |compiled TP2"))
     assert float(diff_line.rsplit(" ", 1)[1]) < 1e-4
     assert (tmp_path / "rank0" / "index.md").exists() and (tmp_path / "rank1" / "index.md").exists()

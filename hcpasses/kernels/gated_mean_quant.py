@@ -11,12 +11,19 @@ to the activation dtype; then the quant of :func:`models.fp8.quantize_per_token`
 ``scale = max(amax / 448, 1 / (448 * 512))``, ``q = clamp(x / scale, ±448)`` cast with round-to-nearest-
 even. Every division is IEEE-rounded on every device, so q and scale are a function of x alone.
 
-The torch reference below is the implementation on CPU (and on any device without a kernel); on CUDA
-the Triton kernels of :mod:`hcpasses.kernels.triton_gated_mean_quant` run. Triton is imported only when
-a CUDA call needs it, so this module imports without Triton.
+Both ops are ``torch.library.triton_op``s when Triton is installed: the op's body runs the torch
+reference below on CPU (and any device without a kernel) and, on CUDA, launches the Triton kernel of
+:mod:`hcpasses.kernels.triton_gated_mean_quant` through ``torch.library.wrap_triton``. Eager calls launch
+it directly; a graph that torch.compile traces through the op (a user function calling it) decomposes it
+into the kernel launch, which Inductor then makes itself. A call that hcpasses' fusion pass inserts into
+the post-grad graph is not decomposed any more; :mod:`hcpasses.kernels.inductor_lowering` gives Inductor
+a lowering that launches the kernel there too. The explicit fake implementations below replace the body
+as the ops' fake kernels. Without Triton the ops are plain custom ops running the reference.
 """
 
 import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -127,16 +134,32 @@ def weighted_sum_quant_reference(h: torch.Tensor, w: torch.Tensor, n_streams: in
     return _with_quant(_fixed_order_sum(terms).to(h.dtype))
 
 
-@torch.library.custom_op("hcpasses::gated_mean_quant", mutates_args=())
-def gated_mean_quant(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> Outputs:
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+if HAS_TRITON:
+    # After the definitions above: the Triton module imports this one (its validation and constants).
+    from hcpasses.kernels.triton_gated_mean_quant import gated_mean_quant_cuda, weighted_sum_quant_cuda
+
+
+def _gated_mean_quant(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> Outputs:
     """Fused HC gated mean + per-token FP8 quant: ``(x [T, S], q fp8 [T, S], scale fp32 [T, 1])``."""
+    if xn.device.type == "cuda" and HAS_TRITON:
+        validate_gated_mean_inputs(xn, u, n_streams)
+        return gated_mean_quant_cuda(xn, u, n_streams)
     return gated_mean_quant_reference(xn, u, n_streams)
 
 
-@torch.library.custom_op("hcpasses::weighted_sum_quant", mutates_args=())
-def weighted_sum_quant(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> Outputs:
+def _weighted_sum_quant(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> Outputs:
     """Fused mHC collapse ``sum_s w[:, s] * h_s`` + per-token FP8 quant; outputs as ``gated_mean_quant``."""
+    if h.device.type == "cuda" and HAS_TRITON:
+        validate_weighted_sum_inputs(h, w, n_streams)
+        return weighted_sum_quant_cuda(h, w, n_streams)
     return weighted_sum_quant_reference(h, w, n_streams)
+
+
+_define_op = torch.library.triton_op if HAS_TRITON else torch.library.custom_op
+gated_mean_quant = _define_op("hcpasses::gated_mean_quant", _gated_mean_quant, mutates_args=())
+weighted_sum_quant = _define_op("hcpasses::weighted_sum_quant", _weighted_sum_quant, mutates_args=())
 
 
 @gated_mean_quant.register_fake
@@ -153,20 +176,38 @@ def _weighted_sum_quant_fake(h: torch.Tensor, w: torch.Tensor, n_streams: int) -
     return empty_outputs(h, h.shape[1] // n_streams)
 
 
-def _gated_mean_quant_cuda(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> Outputs:
-    """CUDA kernel of ``gated_mean_quant``: the Triton kernel."""
-    from hcpasses.kernels.triton_gated_mean_quant import gated_mean_quant_triton
+def _decompose_on_cuda_only(body: Callable[..., Outputs]) -> Callable[..., object]:
+    """FunctionalTensorMode rule: trace through the op (into its kernel launch) only for CUDA inputs.
 
-    return gated_mean_quant_triton(xn, u, n_streams)
+    Replaces triton_op's own rule, which traces through on every device. On CPU that would hand the torch
+    reference to the compiler as plain ATen ops, and Inductor's code for them is not the reference (its
+    quant divides by 448 as a multiply, so scales and codes differ). Kept as an op node instead, the CPU
+    op stays the reference in compiled graphs too (Inductor calls it). Like triton_op's rule, it keeps the
+    node while torch.export has decomposition off, and under the Triton interpreter.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+    from hcpasses.kernels.triton_gated_mean_quant import interpreting
+
+    def rule(mode: Any, op: Any, types: Any, args: tuple, kwargs: dict) -> object:
+        streams = args[0] if args else next(iter(kwargs.values()))
+        if custom_triton_ops_decomposition_disabled() or streams.device.type != "cuda" or interpreting():
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        if any(not issubclass(t, FakeTensor) and t not in (torch.Tensor, FunctionalTensor) for t in types):
+            return NotImplemented
+        with mode:
+            return body(*args, **kwargs)
+
+    return rule
 
 
-def _weighted_sum_quant_cuda(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> Outputs:
-    """CUDA kernel of ``weighted_sum_quant``: the Triton kernel."""
-    from hcpasses.kernels.triton_gated_mean_quant import weighted_sum_quant_triton
+if HAS_TRITON:
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    return weighted_sum_quant_triton(h, w, n_streams)
+    from hcpasses.kernels.inductor_lowering import register_lowerings
 
-
-if importlib.util.find_spec("triton") is not None:
-    gated_mean_quant.register_kernel("cuda")(_gated_mean_quant_cuda)
-    weighted_sum_quant.register_kernel("cuda")(_weighted_sum_quant_cuda)
+    gated_mean_quant.register_torch_dispatch(FunctionalTensorMode, _decompose_on_cuda_only(_gated_mean_quant))
+    weighted_sum_quant.register_torch_dispatch(FunctionalTensorMode, _decompose_on_cuda_only(_weighted_sum_quant))
+    register_lowerings(gated_mean_quant._opoverload, weighted_sum_quant._opoverload)

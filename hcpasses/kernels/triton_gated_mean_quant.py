@@ -1,29 +1,53 @@
 """Triton kernels for the fused HC collapse + per-token FP8 quant (DESIGN §5).
 
 One kernel serves both collapses (the gated mean and the mHC weighted sum). Each program handles
-``ROWS`` token rows and reads its inputs once: per chunk of ``CHUNK`` columns it sums the n streams in
-fp32 in fixed order (s = 0..n-1), rounds the sum once to the activation dtype, stores it as ``x`` and
-keeps the row's running max |x|; then it quantises that rounded x per token (``scale = max(amax / 448,
-1 / (448 * 512))``, ``q = clamp(x / scale, ±448)`` cast to e4m3 with round-to-nearest-even), re-reading x
-from cache when the row took several chunks, and stores ``q`` and ``scale``. Chunks are powers of two
-chosen to pad the row least (:func:`default_chunk`): the arithmetic per element is close to the memory
-time on an H200, so masked lanes cost (S = 2560 in five chunks of 512 ran 1.5x faster than in one of 4096).
+``ROWS`` token rows and reads its inputs once: it sums the n streams in fp32 in fixed order (s = 0..n-1),
+rounds the sum once to the activation dtype, stores it as ``x`` and takes the row's max |x|; then it
+quantises that rounded x per token (``scale = max(amax / 448, 1 / (448 * 512))``, ``q = clamp(x / scale,
+±448)`` cast to e4m3 with round-to-nearest-even) and stores ``q`` and ``scale``.
 
-Bit-exactness with the torch reference (:mod:`hcpasses.kernels.gated_mean_quant`): every fp32 division
-whose result is stored or compared uses ``tl.math.div_rn`` (Triton's ``/`` on fp32 is approximate), and
-values are rounded onto the e4m3 grid with integer/bit arithmetic before the FP8 cast, because the
-Triton interpreter's FP8 cast is wrong for some values (triton#8322). The ``*_triton`` wrappers launch on
-whatever device the tensors live on, so CPU tensors work under ``TRITON_INTERPRET=1``.
+Two shapes of program (:class:`LaunchConfig`):
+
+- Single pass (``chunk >= S``): the whole row is held in registers as up to three power-of-two pieces
+  (S = 2560 is 2048 + 512, S = 7168 is 4096 + 2048 + 1024; :func:`row_pieces`), so no lane is padded
+  and x is never re-read. All loads of a row are issued before the first store. Used up to
+  ``SINGLE_PASS_MAX`` columns per program.
+- Chunked (``chunk < S``): ``CHUNK`` columns at a time; each chunk of x is stored with the running row
+  max, then x is read back (from cache: this program just wrote it) to quantise.
+
+Bit-exactness with the torch reference (:mod:`hcpasses.kernels.gated_mean_quant`) on both paths below:
+
+- Compiled (``HW_CASTS``): the hardware casts, ``.to(tl.bfloat16)`` / ``.to(tl.float16)`` and
+  ``.to(tl.float8e4nv)`` after the clamp, all round-to-nearest-even like torch's casts. The per-element
+  ``x / scale`` is computed from the row's IEEE reciprocal ``r = RN(1 / scale)`` with two FMA
+  corrections (``FMA_DIV``): ``y = x * r``, ``y += r * (x - scale * y)`` (now faithful), and once more,
+  which by Markstein's theorem gives the correctly rounded quotient ``RN(x / scale)`` (no underflow can
+  matter: a quotient below 2**-10 rounds to ±0 in e4m3 whatever its fp32 error, and the sign is kept;
+  x = ±0 is passed through). That is a multiply and four FMAs instead of an IEEE division per element.
+- Triton interpreter (``TRITON_INTERPRET=1``, read at launch time): its FP8 cast is wrong for some values
+  (triton#8322), its bf16 cast truncates, and before triton 3.7 its ``fma`` rounds twice. There values are
+  rounded onto the bf16 and e4m3 grids with integer/bit arithmetic before the casts, and the division is
+  ``tl.math.div_rn`` (Triton's ``/`` on fp32 is approximate). The compiled GPU tests check the hardware
+  path bit for bit against the reference, the interpreter tests the integer path.
+
+The ``*_triton`` wrappers launch the plain ``@triton.jit`` kernel on whatever device the tensors live on
+(CPU tensors under the interpreter). :func:`gated_mean_quant_cuda` / :func:`weighted_sum_quant_cuda` are
+the CUDA bodies of the ``torch.library.triton_op`` custom ops: they launch through
+``torch.library.wrap_triton`` so that a compiled graph calls the kernel directly. :func:`lowering_plan`
+describes the launch for the Inductor lowering in :mod:`hcpasses.kernels.inductor_lowering`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from hcpasses.kernels import gated_mean_quant as ops
 
@@ -34,18 +58,40 @@ MIN_SCALE = tl.constexpr(ops.MIN_SCALE)
 E4M3_SUBNORMAL_MAGIC = tl.constexpr(16384.0)
 E4M3_MIN_NORMAL_BITS = tl.constexpr(0x3C800000)  # fp32 bit pattern of 2**-6
 CHUNKS = (256, 512, 1024, 2048, 4096)  # column chunks tried for rows wider than the smallest
-ELEMENTS_PER_PROGRAM = 1024
+MAX_PIECES = 3  # power-of-two pieces a single-pass row is split into
+SINGLE_PASS_MAX = 8192  # most columns (rows x row cover) one single-pass program holds
+SINGLE_PASS_ELEMENTS = 2048  # single pass: rows per program so that a program covers about this many columns
+ELEMENTS_PER_PROGRAM = 1024  # chunked: rows x chunk
 MAX_ROWS = 64
-ELEMENTS_PER_THREAD = 8  # 16-byte loads of 16-bit activations
+ELEMENTS_PER_THREAD = 8  # chunked: 16-byte loads of 16-bit activations
+SINGLE_PASS_ELEMENTS_PER_THREAD = 16  # single pass: columns of each stream per thread
+MAX_WARPS = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """How a kernel is launched: token rows per program and columns per chunk (powers of two), warps."""
+    """How a kernel is launched: token rows per program, columns per chunk (powers of two), warps.
+
+    ``chunk >= S`` runs the single-pass program (the whole row in registers, see the module docstring).
+    ``hw_casts`` / ``fma_division``: ``None`` picks by interpreter mode (hardware casts and the FMA
+    division when compiled); set them to measure or test one path. The hardware casts are only exact
+    compiled; the FMA division only where ``tl.fma`` rounds once.
+    """
 
     rows: int
     chunk: int
     num_warps: int
+    hw_casts: bool | None = None
+    fma_division: bool | None = None
+
+
+# Launch configs measured best on an H200 (benchmarks/gated_mean_quant.py, 2026-11-29), by hidden size S.
+TUNED: dict[int, LaunchConfig] = {}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (read now, at launch time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def default_chunk(hidden: int) -> int:
@@ -61,8 +107,35 @@ def default_chunk(hidden: int) -> int:
     return min((c for c in CHUNKS if c <= block), key=lambda c: (triton.cdiv(hidden, c) * c, -c))
 
 
+def row_pieces(hidden: int) -> tuple[int, ...]:
+    """The fewest columns ``>= hidden`` that ``MAX_PIECES`` powers of two add up to, as those powers.
+
+    S = 2560: (2048, 512); 7168: (4096, 2048, 1024); 300: (256, 32, 16); 1000: (1024,).
+    """
+    bits = [1 << b for b in reversed(range(hidden.bit_length())) if hidden >> b & 1]
+    cover = sum(bits[:MAX_PIECES]) + (bits[MAX_PIECES - 1] if len(bits) > MAX_PIECES else 0)
+    return tuple(1 << b for b in reversed(range(cover.bit_length())) if cover >> b & 1)
+
+
+def _prev_power_of_2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def default_launch_config(hidden: int) -> LaunchConfig:
-    """:func:`default_chunk` columns, rows so a program covers ~1024 elements, 8 elements per thread."""
+    """:data:`TUNED` for a measured S, else a heuristic.
+
+    Single pass while the row fits (``sum(row_pieces(S)) <= SINGLE_PASS_MAX``): rows so a program covers
+    about ``SINGLE_PASS_ELEMENTS`` columns, warps for about 16 columns per thread. Wider rows: chunks of
+    :func:`default_chunk`, rows so a program covers ~1024 elements, 8 elements per thread.
+    """
+    if hidden in TUNED:
+        return TUNED[hidden]
+    cover = sum(row_pieces(hidden))
+    if cover <= SINGLE_PASS_MAX:
+        rows = max(1, min(MAX_ROWS, _prev_power_of_2(SINGLE_PASS_ELEMENTS // cover)))
+        per_thread = 32 * SINGLE_PASS_ELEMENTS_PER_THREAD
+        warps = max(1, min(MAX_WARPS, _prev_power_of_2(rows * cover // per_thread)))
+        return LaunchConfig(rows=rows, chunk=triton.next_power_of_2(cover), num_warps=warps)
     chunk = default_chunk(hidden)
     rows = max(1, min(MAX_ROWS, ELEMENTS_PER_PROGRAM // chunk))
     warps = max(1, min(8, rows * chunk // (32 * ELEMENTS_PER_THREAD)))
@@ -89,7 +162,7 @@ def round_to_e4m3_grid(v):
 
 @triton.jit
 def round_to_dtype(v, dtype: tl.constexpr):
-    """Round fp32 ``v`` to ``dtype`` with round-to-nearest-even.
+    """Round fp32 ``v`` to ``dtype`` with round-to-nearest-even, without the bf16 hardware cast.
 
     bf16 is rounded with integer ops and its top 16 bits taken as they are (the Triton interpreter's bf16
     cast truncates and flushes subnormals), so the compiled kernel and the interpreter agree bit for bit;
@@ -100,6 +173,14 @@ def round_to_dtype(v, dtype: tl.constexpr):
         top = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return v.to(dtype)
+
+
+@triton.jit
+def to_e4m3(v, HW_CASTS: tl.constexpr):
+    """fp32 ``v`` (``|v| <= 448``) cast to e4m3 with round-to-nearest-even (hardware cast or grid rounding)."""
+    if HW_CASTS:
+        return v.to(tl.float8e4nv)
+    return round_to_e4m3_grid(v).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -119,14 +200,18 @@ def _stream_term(
 
 
 @triton.jit
-def _collapse_chunk(
-    streams_ptr, gates_ptr, rows, cols, mask, n_tokens, hidden, GATED: tl.constexpr, N_STREAMS: tl.constexpr
-):
-    """The streams' sum for a ``[ROWS, CHUNK]`` block, in fp32, s = 0..n-1 in order (divided by n if GATED)."""
-    offsets = rows[:, None] * (N_STREAMS * hidden) + cols[None, :]
+def _collapse_block(
+    streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN: tl.constexpr, GATED: tl.constexpr,
+    N_STREAMS: tl.constexpr,
+):  # fmt: skip
+    """The streams' sum for a ``[ROWS, len(cols)]`` block in fp32, s = 0..n-1 in order (divided by n if GATED).
+
+    Masked lanes give exactly ±0.
+    """
+    offsets = rows[:, None] * (N_STREAMS * HIDDEN) + cols[None, :]
     acc = _stream_term(streams_ptr, gates_ptr, rows, offsets, mask, n_tokens, 0, GATED, N_STREAMS)
     for s in tl.static_range(1, N_STREAMS):
-        acc += _stream_term(streams_ptr, gates_ptr, rows, offsets + s * hidden, mask, n_tokens, s, GATED, N_STREAMS)
+        acc += _stream_term(streams_ptr, gates_ptr, rows, offsets + s * HIDDEN, mask, n_tokens, s, GATED, N_STREAMS)
     if GATED:
         if (N_STREAMS & (N_STREAMS - 1)) == 0:
             acc = acc * (1.0 / N_STREAMS)  # exact: the same correctly rounded result as the division
@@ -136,12 +221,11 @@ def _collapse_chunk(
 
 
 @triton.jit
-def _store_x(acc, x_ptr, offsets, mask):
-    """Round fp32 ``acc`` once to x's dtype and store it; returns the rounded x in fp32 and its row |max|."""
-    x = round_to_dtype(acc, x_ptr.dtype.element_ty)
-    tl.store(x_ptr + offsets, x, mask=mask)
-    xf = x.to(tl.float32)
-    return xf, tl.max(tl.where(mask, tl.abs(xf), 0.0), axis=1)
+def _round_x(acc, dtype: tl.constexpr, HW_CASTS: tl.constexpr):
+    """fp32 ``acc`` rounded once to x's dtype (round-to-nearest-even)."""
+    if HW_CASTS:
+        return acc.to(dtype)
+    return round_to_dtype(acc, dtype)
 
 
 @triton.jit
@@ -151,51 +235,135 @@ def _row_scale(amax):
 
 
 @triton.jit
-def _store_q(xf, scale, q_ptr, offsets, mask):
-    """The quant epilogue's codes: ``clamp(x / scale, ±448)`` rounded to e4m3, stored as bytes."""
-    scaled = tl.minimum(tl.maximum(tl.math.div_rn(xf, scale[:, None]), -FP8_MAX), FP8_MAX)
-    q = round_to_e4m3_grid(scaled).to(tl.float8e4nv)
-    tl.store(q_ptr + offsets, q.to(tl.uint8, bitcast=True), mask=mask)
+def _codes(xf, scale, recip, HW_CASTS: tl.constexpr, FMA_DIV: tl.constexpr):
+    """The quant epilogue's codes for fp32 ``xf [ROWS, C]``: ``clamp(x / scale, ±448)`` cast to e4m3 (RNE).
+
+    ``FMA_DIV``: the correctly rounded quotient from ``recip = RN(1 / scale)`` and two FMA corrections
+    (module docstring); else ``div_rn``.
+    """
+    s = scale[:, None]
+    if FMA_DIV:
+        r = recip[:, None]
+        y = xf * r
+        y = tl.fma(tl.fma(-y, s, xf), r, y)  # faithful: within one ulp of x / scale
+        y = tl.fma(tl.fma(-y, s, xf), r, y)  # Markstein: RN(x / scale)
+        y = tl.where(xf == 0.0, xf, y)  # the corrections turn -0.0 into +0.0
+    else:
+        y = tl.math.div_rn(xf, s)
+    return to_e4m3(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), HW_CASTS)
+
+
+@triton.jit
+def _store_codes(codes, q_ptr, offsets, mask):
+    """Store e4m3 ``codes`` to q (an fp8 tensor, or its uint8 view under the interpreter)."""
+    tl.store(q_ptr + offsets, codes.to(q_ptr.dtype.element_ty, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _piece_sum(
+    streams_ptr, gates_ptr, rows, row_ok, n_tokens, START: tl.constexpr, WIDTH: tl.constexpr,
+    HIDDEN: tl.constexpr, GATED: tl.constexpr, N_STREAMS: tl.constexpr,
+):  # fmt: skip
+    """Single pass: the fp32 sum of columns ``START .. START + WIDTH`` of the rows, with its mask."""
+    cols = START + tl.arange(0, WIDTH)
+    mask = row_ok[:, None] & (cols[None, :] < HIDDEN)
+    acc = _collapse_block(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN, GATED, N_STREAMS)
+    return acc, rows[:, None] * HIDDEN + cols[None, :], mask
+
+
+@triton.jit
+def _piece_store_x(acc, x_ptr, offsets, mask, HW_CASTS: tl.constexpr):
+    """Single pass: round and store one piece of x; returns it in fp32 and its row max |x|."""
+    x = _round_x(acc, x_ptr.dtype.element_ty, HW_CASTS)
+    tl.store(x_ptr + offsets, x, mask=mask)
+    xf = x.to(tl.float32)
+    return xf, tl.max(tl.abs(xf), axis=1)  # masked lanes hold ±0
 
 
 @triton.jit
 def _collapse_quant_kernel(
-    streams_ptr, gates_ptr, x_ptr, q_ptr, scale_ptr, n_tokens, hidden,
-    GATED: tl.constexpr, N_STREAMS: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    SINGLE_CHUNK: tl.constexpr,
+    streams_ptr, gates_ptr, x_ptr, q_ptr, scale_ptr, n_tokens,
+    GATED: tl.constexpr, N_STREAMS: tl.constexpr, HIDDEN: tl.constexpr, ROWS: tl.constexpr,
+    CHUNK: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+    HW_CASTS: tl.constexpr, FMA_DIV: tl.constexpr,
 ):  # fmt: skip
-    """Collapse + quant for ``ROWS`` token rows, ``CHUNK`` columns at a time.
+    """Collapse + quant for ``ROWS`` token rows of ``HIDDEN`` columns.
 
-    One chunk (``SINGLE_CHUNK``): x stays in registers for the quant. Several: each chunk of x is stored
-    with the running row max, then x is read back (from cache: this program just wrote it) to quantise.
+    ``P0 > 0``: single pass over the row as pieces of P0, P1, P2 columns (P1, P2 may be 0). Else chunked,
+    ``CHUNK`` columns at a time, x re-read for the quant.
     """
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_tokens
-    if SINGLE_CHUNK:
-        cols = tl.arange(0, CHUNK)
-        mask = row_ok[:, None] & (cols[None, :] < hidden)
-        offsets = rows[:, None] * hidden + cols[None, :]
-        acc = _collapse_chunk(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, hidden, GATED, N_STREAMS)
-        xf, amax = _store_x(acc, x_ptr, offsets, mask)
+    if P0 > 0:
+        # Every load of the row first (no store in between, so nothing orders them after one).
+        acc0, off0, mask0 = _piece_sum(streams_ptr, gates_ptr, rows, row_ok, n_tokens, 0, P0, HIDDEN, GATED, N_STREAMS)
+        if P1 > 0:
+            acc1, off1, mask1 = _piece_sum(
+                streams_ptr, gates_ptr, rows, row_ok, n_tokens, P0, P1, HIDDEN, GATED, N_STREAMS
+            )
+        if P2 > 0:
+            acc2, off2, mask2 = _piece_sum(
+                streams_ptr, gates_ptr, rows, row_ok, n_tokens, P0 + P1, P2, HIDDEN, GATED, N_STREAMS
+            )
+        xf0, amax = _piece_store_x(acc0, x_ptr, off0, mask0, HW_CASTS)
+        if P1 > 0:
+            xf1, amax1 = _piece_store_x(acc1, x_ptr, off1, mask1, HW_CASTS)
+            amax = tl.maximum(amax, amax1)
+        if P2 > 0:
+            xf2, amax2 = _piece_store_x(acc2, x_ptr, off2, mask2, HW_CASTS)
+            amax = tl.maximum(amax, amax2)
         scale = _row_scale(amax)
-        _store_q(xf, scale, q_ptr, offsets, mask)
+        recip = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
+        _store_codes(_codes(xf0, scale, recip, HW_CASTS, FMA_DIV), q_ptr, off0, mask0)
+        if P1 > 0:
+            _store_codes(_codes(xf1, scale, recip, HW_CASTS, FMA_DIV), q_ptr, off1, mask1)
+        if P2 > 0:
+            _store_codes(_codes(xf2, scale, recip, HW_CASTS, FMA_DIV), q_ptr, off2, mask2)
     else:
         amax = tl.zeros([ROWS], dtype=tl.float32)
-        for start in range(0, hidden, CHUNK):
+        for start in range(0, HIDDEN, CHUNK):
             cols = start + tl.arange(0, CHUNK)
-            mask = row_ok[:, None] & (cols[None, :] < hidden)
-            acc = _collapse_chunk(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, hidden, GATED, N_STREAMS)
-            _, chunk_max = _store_x(acc, x_ptr, rows[:, None] * hidden + cols[None, :], mask)
+            mask = row_ok[:, None] & (cols[None, :] < HIDDEN)
+            acc = _collapse_block(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN, GATED, N_STREAMS)
+            _, chunk_max = _piece_store_x(acc, x_ptr, rows[:, None] * HIDDEN + cols[None, :], mask, HW_CASTS)
             amax = tl.maximum(amax, chunk_max)
         scale = _row_scale(amax)
+        recip = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
         tl.debug_barrier()  # x written by other threads of this program is read below
-        for start in range(0, hidden, CHUNK):
+        for start in range(0, HIDDEN, CHUNK):
             cols = start + tl.arange(0, CHUNK)
-            mask = row_ok[:, None] & (cols[None, :] < hidden)
-            offsets = rows[:, None] * hidden + cols[None, :]
+            mask = row_ok[:, None] & (cols[None, :] < HIDDEN)
+            offsets = rows[:, None] * HIDDEN + cols[None, :]
             xf = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            _store_q(xf, scale, q_ptr, offsets, mask)
+            _store_codes(_codes(xf, scale, recip, HW_CASTS, FMA_DIV), q_ptr, offsets, mask)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """One launch of ``_collapse_quant_kernel``: its constexpr arguments, programs per row block, warps."""
+
+    constexprs: dict
+    rows: int
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(hidden: int, n_streams: int, gated: bool, cfg: LaunchConfig, interpret: bool) -> KernelPlan:
+    single = cfg.chunk >= hidden
+    pieces = (*row_pieces(hidden), 0, 0)[:MAX_PIECES] if single else (0, 0, 0)
+    hw_casts = (not interpret) if cfg.hw_casts is None else cfg.hw_casts
+    fma_div = (not interpret) if cfg.fma_division is None else cfg.fma_division
+    constexprs = {
+        "GATED": gated, "N_STREAMS": n_streams, "HIDDEN": hidden, "ROWS": cfg.rows, "CHUNK": cfg.chunk,
+        "P0": pieces[0], "P1": pieces[1], "P2": pieces[2], "HW_CASTS": hw_casts, "FMA_DIV": fma_div,
+    }  # fmt: skip
+    return KernelPlan(constexprs=constexprs, rows=cfg.rows, num_warps=cfg.num_warps)
+
+
+def kernel_plan(hidden: int, n_streams: int, *, gated: bool, config: LaunchConfig | None = None) -> KernelPlan:
+    """The launch for S = ``hidden`` (``config`` or :func:`default_launch_config`), paths chosen by interpreter mode."""
+    return _plan(hidden, n_streams, gated, config or default_launch_config(hidden), interpreting())
 
 
 def gated_mean_quant_triton(
@@ -206,7 +374,7 @@ def gated_mean_quant_triton(
     ``xn``, ``u``: contiguous ``[T, n*S]``. ``config`` overrides :func:`default_launch_config`.
     """
     ops.validate_gated_mean_inputs(xn, u, n_streams)
-    return _launch(xn, u, n_streams, config, gated=True)
+    return _launch(xn, u, n_streams, config, gated=True, traceable=False)
 
 
 def weighted_sum_quant_triton(
@@ -217,29 +385,53 @@ def weighted_sum_quant_triton(
     ``h``: contiguous ``[T, n*S]``; ``w``: contiguous ``[T, n]``.
     """
     ops.validate_weighted_sum_inputs(h, w, n_streams)
-    return _launch(h, w, n_streams, config, gated=False)
+    return _launch(h, w, n_streams, config, gated=False, traceable=False)
+
+
+def gated_mean_quant_cuda(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> ops.Outputs:
+    """CUDA body of the ``hcpasses::gated_mean_quant`` triton_op (inputs validated by the caller)."""
+    return _launch(xn, u, n_streams, None, gated=True, traceable=True)
+
+
+def weighted_sum_quant_cuda(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> ops.Outputs:
+    """CUDA body of the ``hcpasses::weighted_sum_quant`` triton_op (inputs validated by the caller)."""
+    return _launch(h, w, n_streams, None, gated=False, traceable=True)
 
 
 def _launch(
-    streams: torch.Tensor, gates: torch.Tensor, n_streams: int, config: LaunchConfig | None, *, gated: bool
+    streams: torch.Tensor,
+    gates: torch.Tensor,
+    n_streams: int,
+    config: LaunchConfig | None,
+    *,
+    gated: bool,
+    traceable: bool,
 ) -> ops.Outputs:
-    """Allocate the outputs and launch the kernel over the token rows (no launch when T is 0)."""
+    """Allocate the outputs and launch the kernel over the token rows (no launch when T is 0).
+
+    ``traceable``: launch through ``wrap_triton`` (the triton_op bodies: traced into a graph under
+    torch.compile, a direct launch in eager mode); else the plain kernel. Under the interpreter the kernel
+    is an interpreted function that ``wrap_triton`` may refuse (torch 2.11), and q goes as uint8 (the
+    interpreter has no fp8 tensors).
+    """
     tokens, width = streams.shape
     hidden = width // n_streams
     x, q, scale = ops.empty_outputs(streams, hidden)
     if tokens == 0:
         return x, q, scale
-    cfg = config or default_launch_config(hidden)
-    grid = (triton.cdiv(tokens, cfg.rows),)
+    interpret = interpreting()
+    plan = _plan(hidden, n_streams, gated, config or default_launch_config(hidden), interpret)
+    kernel = wrap_triton(_collapse_quant_kernel) if traceable and not interpret else _collapse_quant_kernel
+    q_arg = q.view(torch.uint8) if interpret else q
     with _device_guard(streams.device):
-        _collapse_quant_kernel[grid](
-            streams, gates, x, q.view(torch.uint8), scale, tokens, hidden,
-            GATED=gated, N_STREAMS=n_streams, ROWS=cfg.rows, CHUNK=cfg.chunk, SINGLE_CHUNK=cfg.chunk >= hidden,
-            num_warps=cfg.num_warps,
-        )  # fmt: skip
+        kernel[(triton.cdiv(tokens, plan.rows),)](
+            streams, gates, x, q_arg, scale, tokens, **plan.constexprs, num_warps=plan.num_warps
+        )
     return x, q, scale
 
 
 def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` current while launching (Triton launches on the current CUDA device)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
