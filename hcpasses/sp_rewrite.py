@@ -22,7 +22,8 @@ How the region is found:
   there) or an all-reduce, and that leads to a later collapse. Values the region computes but others
   use (the sub-layer input, the final mixer output, a returned HC state) are gathered.
 - Every region node must be row-local over token dim 0 (pointwise, reductions over other dims,
-  views that keep dim 0, ``mm`` with a weight, the fused collapse ops), and every operand from outside
+  views that keep dim 0, ``mm`` with a weight, ``bmm`` batched over tokens, the fused collapse ops), and
+  every operand from outside
   the region must carry no tokens: a weight or constant broadcast over rows, or the right-hand side of
   an HC GEMM. Weights in a mix or combine are HC weights, replicated by construction. An ``mm`` is
   accepted only on the way to a collapse gate, so a TP-sharded projection can never land in the region.
@@ -221,7 +222,8 @@ class _RegionBuilder:
             if node not in gates:
                 raise NotRowLocal(node, "a GEMM that does not feed an HC collapse gate (its weight may be sharded)")
         elif not (
-            target in ELEMENTWISE
+            target is aten.bmm.default  # batched over tokens (mHC's per-token comb @ streams); operands checked
+            or target in ELEMENTWISE
             or target in FUSED_COLLAPSES
             or target is operator.getitem
             or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)

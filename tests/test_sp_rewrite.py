@@ -7,6 +7,7 @@ import functools
 import itertools
 from typing import Any
 
+import pytest
 import torch
 from harness import capture_ranks, simulate
 from hypothesis import given
@@ -173,3 +174,30 @@ def test_sharded_graph_matches_single_device_eager(case: Case, tokens: int, stat
     sp = reports[0].record("sp_rewrite")
     assert (sp.status == "applied") == (case.tp > 1)
     assert sp.applied == (0 if case.tp == 1 else 2 * (case.layers - (case.ple_layer or 0)) + 1)
+
+
+@pytest.mark.parametrize(("tp", "tokens", "fp8", "ple"), [(2, 9, True, None), (3, 2, False, 1), (4, 31, True, 0)])
+def test_mhc_family_is_sharded_and_matches_eager(tp: int, tokens: int, fp8: bool, ple: int | None) -> None:
+    from models.mhc import MHCDecoder
+
+    cfg = HCConfig.tiny(fp8=fp8, n_layers=2, ple_layer=ple, n_heads=12, n_kv_heads=12, intermediate=96, seed=4)
+    reports: list = []
+    manager = PassManager(HCPassesConfig(sp_min_tokens=1), reports.append)
+    ids = torch.randint(0, 64, (tokens,))
+    graphs = capture_ranks(
+        lambda rank, tp: MHCDecoder(cfg),
+        lambda rank, tp: (ids,),
+        tp,
+        codegen=False,
+        config_patches={"post_grad_custom_pre_pass": manager},
+    )
+    outputs = simulate([g[0].gm for g in graphs], [g[0].inputs for g in graphs])
+    with torch.no_grad():
+        expected = MHCDecoder(cfg, tp_rank=0, tp_size=1)(ids)
+    for rank_outputs in outputs:
+        torch.testing.assert_close(rank_outputs[0], expected, rtol=3e-2 if fp8 else 1e-4, atol=3e-2 if fp8 else 1e-4)
+    sp = reports[0].record("sp_rewrite")
+    sharded_layers = cfg.n_layers - (ple or 0)
+    assert sp.applied == 2 * sharded_layers + 1, reports[0]
+    assert count(graphs[0][0].gm, c10d.reduce_scatter_tensor.default) == 2 * sharded_layers
+    assert reports[0].applied["gated_mean_quant"] == (2 * cfg.n_layers if fp8 else 0)

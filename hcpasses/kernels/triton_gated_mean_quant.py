@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+from triton.language.extra import libdevice
 
 from hcpasses.kernels import gated_mean_quant as ops
 
@@ -57,6 +58,7 @@ MIN_SCALE = tl.constexpr(ops.MIN_SCALE)
 # 2**-9) rounds to that grid with round-to-nearest-even, and subtracting it again is exact.
 E4M3_SUBNORMAL_MAGIC = tl.constexpr(16384.0)
 E4M3_MIN_NORMAL_BITS = tl.constexpr(0x3C800000)  # fp32 bit pattern of 2**-6
+NEG_LOG2E = tl.constexpr(-1.4426950408889634)  # -log2(e); as fp32 the constant tl.exp multiplies by, negated
 CHUNKS = (256, 512, 1024, 2048, 4096)  # column chunks tried for rows wider than the smallest
 MAX_PIECES = 3  # power-of-two pieces a single-pass row is split into
 SINGLE_PASS_MAX = 8192  # most columns (rows x row cover) one single-pass program holds
@@ -73,9 +75,9 @@ class LaunchConfig:
     """How a kernel is launched: token rows per program, columns per chunk (powers of two), warps.
 
     ``chunk >= S`` runs the single-pass program (the whole row in registers, see the module docstring).
-    ``hw_casts`` / ``fma_division``: ``None`` picks by interpreter mode (hardware casts and the FMA
-    division when compiled); set them to measure or test one path. The hardware casts are only exact
-    compiled; the FMA division only where ``tl.fma`` rounds once.
+    ``hw_casts`` / ``fma_division`` / ``fast_sigmoid``: ``None`` picks by interpreter mode (all three when
+    compiled); set them to measure or test one path. The hardware casts are only exact compiled, the FMA
+    division only where ``tl.fma`` rounds once, the flush-to-zero sigmoid only compiled (libdevice).
     """
 
     rows: int
@@ -83,6 +85,7 @@ class LaunchConfig:
     num_warps: int
     hw_casts: bool | None = None
     fma_division: bool | None = None
+    fast_sigmoid: bool | None = None
 
 
 # Launch configs measured best on an H200 (benchmarks/gated_mean_quant.py, 2026-11-29), by hidden size S.
@@ -184,16 +187,31 @@ def to_e4m3(v, HW_CASTS: tl.constexpr):
 
 
 @triton.jit
+def _sigmoid(u, FAST: tl.constexpr):
+    """``1 / (1 + exp(-u))`` in fp32: ``tl.sigmoid`` or, ``FAST``, its flush-to-zero twin.
+
+    Both take ``exp(-u)`` as ``ex2.approx(RN(-u * log2 e))`` and divide approximately; ``tl.sigmoid`` adds
+    the denormal handling of the non-ftz instructions (about 7 more instructions per call). They differ
+    only where sigmoid(u) < 2**-126 (u < -87.3): FAST gives 0 there, tl.sigmoid a denormal (0 below -88.7).
+    """
+    if FAST:
+        e = libdevice.exp2(u * NEG_LOG2E)  # libdevice's ftz ex2.approx; the multiply absorbs the negation
+        return libdevice.fast_dividef(tl.full(u.shape, 1.0, tl.float32), 1.0 + e)
+    return tl.sigmoid(u)
+
+
+@triton.jit
 def _stream_term(
-    streams_ptr, gates_ptr, rows, offsets, mask, n_tokens, s, GATED: tl.constexpr, N_STREAMS: tl.constexpr
-):
+    streams_ptr, gates_ptr, rows, offsets, mask, n_tokens, s, GATED: tl.constexpr, N_STREAMS: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
+):  # fmt: skip
     """Stream s's gated term in fp32: ``sigmoid(u_s) * xn_s`` (GATED) or ``w[:, s] * h_s``.
 
     ``offsets`` point into stream s of ``[ROWS, CHUNK]`` elements.
     """
     h = tl.load(streams_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if GATED:
-        gate = tl.sigmoid(tl.load(gates_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
+        gate = _sigmoid(tl.load(gates_ptr + offsets, mask=mask, other=0.0).to(tl.float32), FAST_SIGMOID)
     else:
         gate = tl.load(gates_ptr + rows * N_STREAMS + s, mask=rows < n_tokens, other=0.0).to(tl.float32)[:, None]
     return gate * h
@@ -202,16 +220,18 @@ def _stream_term(
 @triton.jit
 def _collapse_block(
     streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN: tl.constexpr, GATED: tl.constexpr,
-    N_STREAMS: tl.constexpr,
+    N_STREAMS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """The streams' sum for a ``[ROWS, len(cols)]`` block in fp32, s = 0..n-1 in order (divided by n if GATED).
 
     Masked lanes give exactly ±0.
     """
     offsets = rows[:, None] * (N_STREAMS * HIDDEN) + cols[None, :]
-    acc = _stream_term(streams_ptr, gates_ptr, rows, offsets, mask, n_tokens, 0, GATED, N_STREAMS)
+    acc = _stream_term(streams_ptr, gates_ptr, rows, offsets, mask, n_tokens, 0, GATED, N_STREAMS, FAST_SIGMOID)
     for s in tl.static_range(1, N_STREAMS):
-        acc += _stream_term(streams_ptr, gates_ptr, rows, offsets + s * HIDDEN, mask, n_tokens, s, GATED, N_STREAMS)
+        acc += _stream_term(
+            streams_ptr, gates_ptr, rows, offsets + s * HIDDEN, mask, n_tokens, s, GATED, N_STREAMS, FAST_SIGMOID
+        )
     if GATED:
         if (N_STREAMS & (N_STREAMS - 1)) == 0:
             acc = acc * (1.0 / N_STREAMS)  # exact: the same correctly rounded result as the division
@@ -262,12 +282,12 @@ def _store_codes(codes, q_ptr, offsets, mask):
 @triton.jit
 def _piece_sum(
     streams_ptr, gates_ptr, rows, row_ok, n_tokens, START: tl.constexpr, WIDTH: tl.constexpr,
-    HIDDEN: tl.constexpr, GATED: tl.constexpr, N_STREAMS: tl.constexpr,
+    HIDDEN: tl.constexpr, GATED: tl.constexpr, N_STREAMS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Single pass: the fp32 sum of columns ``START .. START + WIDTH`` of the rows, with its mask."""
     cols = START + tl.arange(0, WIDTH)
     mask = row_ok[:, None] & (cols[None, :] < HIDDEN)
-    acc = _collapse_block(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN, GATED, N_STREAMS)
+    acc = _collapse_block(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID)
     return acc, rows[:, None] * HIDDEN + cols[None, :], mask
 
 
@@ -285,7 +305,7 @@ def _collapse_quant_kernel(
     streams_ptr, gates_ptr, x_ptr, q_ptr, scale_ptr, n_tokens,
     GATED: tl.constexpr, N_STREAMS: tl.constexpr, HIDDEN: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-    HW_CASTS: tl.constexpr, FMA_DIV: tl.constexpr,
+    HW_CASTS: tl.constexpr, FMA_DIV: tl.constexpr, FAST_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Collapse + quant for ``ROWS`` token rows of ``HIDDEN`` columns.
 
@@ -296,14 +316,16 @@ def _collapse_quant_kernel(
     row_ok = rows < n_tokens
     if P0 > 0:
         # Every load of the row first (no store in between, so nothing orders them after one).
-        acc0, off0, mask0 = _piece_sum(streams_ptr, gates_ptr, rows, row_ok, n_tokens, 0, P0, HIDDEN, GATED, N_STREAMS)
+        acc0, off0, mask0 = _piece_sum(
+            streams_ptr, gates_ptr, rows, row_ok, n_tokens, 0, P0, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
+        )
         if P1 > 0:
             acc1, off1, mask1 = _piece_sum(
-                streams_ptr, gates_ptr, rows, row_ok, n_tokens, P0, P1, HIDDEN, GATED, N_STREAMS
+                streams_ptr, gates_ptr, rows, row_ok, n_tokens, P0, P1, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
             )
         if P2 > 0:
             acc2, off2, mask2 = _piece_sum(
-                streams_ptr, gates_ptr, rows, row_ok, n_tokens, P0 + P1, P2, HIDDEN, GATED, N_STREAMS
+                streams_ptr, gates_ptr, rows, row_ok, n_tokens, P0 + P1, P2, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
             )
         xf0, amax = _piece_store_x(acc0, x_ptr, off0, mask0, HW_CASTS)
         if P1 > 0:
@@ -324,7 +346,9 @@ def _collapse_quant_kernel(
         for start in range(0, HIDDEN, CHUNK):
             cols = start + tl.arange(0, CHUNK)
             mask = row_ok[:, None] & (cols[None, :] < HIDDEN)
-            acc = _collapse_block(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN, GATED, N_STREAMS)
+            acc = _collapse_block(
+                streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
+            )
             _, chunk_max = _piece_store_x(acc, x_ptr, rows[:, None] * HIDDEN + cols[None, :], mask, HW_CASTS)
             amax = tl.maximum(amax, chunk_max)
         scale = _row_scale(amax)
@@ -354,9 +378,11 @@ def _plan(hidden: int, n_streams: int, gated: bool, cfg: LaunchConfig, interpret
     pieces = (*row_pieces(hidden), 0, 0)[:MAX_PIECES] if single else (0, 0, 0)
     hw_casts = (not interpret) if cfg.hw_casts is None else cfg.hw_casts
     fma_div = (not interpret) if cfg.fma_division is None else cfg.fma_division
+    fast_sigmoid = (not interpret) if cfg.fast_sigmoid is None else cfg.fast_sigmoid
     constexprs = {
         "GATED": gated, "N_STREAMS": n_streams, "HIDDEN": hidden, "ROWS": cfg.rows, "CHUNK": cfg.chunk,
         "P0": pieces[0], "P1": pieces[1], "P2": pieces[2], "HW_CASTS": hw_casts, "FMA_DIV": fma_div,
+        "FAST_SIGMOID": fast_sigmoid,
     }  # fmt: skip
     return KernelPlan(constexprs=constexprs, rows=cfg.rows, num_warps=cfg.num_warps)
 
