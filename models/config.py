@@ -57,13 +57,9 @@ class HCConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"HCConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"HCConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
-            )
+            raise ValueError(f"HCConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.ple_layer is not None and not 0 <= self.ple_layer < self.n_layers:
-            raise ValueError(
-                f"HCConfig.ple_layer must be None or in [0, {self.n_layers - 1}], got {self.ple_layer!r}"
-            )
+            raise ValueError(f"HCConfig.ple_layer must be None or in [0, {self.n_layers - 1}], got {self.ple_layer!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"HCConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
 

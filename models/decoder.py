@@ -37,14 +37,10 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return x * rope[0] + torch.cat([-x2, x1], dim=-1) * rope[1]
 
 
-def _input_projection(
-    cfg: HCConfig, out_features: list[int], *, name: str, tp_rank: int, tp_size: int
-) -> nn.Module:
+def _input_projection(cfg: HCConfig, out_features: list[int], *, name: str, tp_rank: int, tp_size: int) -> nn.Module:
     """The sub-layer input projection: FP8 (x quantised per token) when ``cfg.fp8``, else plain."""
     cls = Fp8ColumnParallelLinear if cfg.fp8 else ColumnParallelLinear
-    return cls(
-        cfg.hidden, out_features, seed=cfg.seed, name=name, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size
-    )
+    return cls(cfg.hidden, out_features, seed=cfg.seed, name=name, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size)
 
 
 class Attention(nn.Module):

@@ -42,9 +42,7 @@ def seeded_normal(
     return (torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * std).to(dtype)
 
 
-def replicated_parameter(
-    seed: int, name: str, shape: Sequence[int], std: float, dtype: torch.dtype
-) -> nn.Parameter:
+def replicated_parameter(seed: int, name: str, shape: Sequence[int], std: float, dtype: torch.dtype) -> nn.Parameter:
     """A frozen parameter holding the whole seeded tensor (the same on every rank)."""
     return nn.Parameter(seeded_normal(seed, name, shape, std, dtype), requires_grad=False)
 
