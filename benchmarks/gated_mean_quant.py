@@ -11,10 +11,18 @@ Run on a CUDA machine from the repository root::
    eagerly and through Inductor on the GPU (both divide amax by 448 as a multiply by the rounded
    reciprocal, so about half their scales are one ulp off the IEEE quotient the op uses).
 2. Timing (CUDA events around CUDA-graph replays, warm-up, medians; input sets rotated so that each
-   replay reads at least 3x the L2 size) at S = 2560, n = 4, bf16 for several T: a sweep of launch
-   configurations, then the fused op against Inductor's code for the unfused pattern (transformers-style
-   gated mean, then ``quantize_per_token``) and eager, with the faster of a memcpy and an elementwise
-   copy of the same byte count as the ceiling; the fused weighted sum is timed too.
+   replay reads at least 3x the L2 size) at S = 2560, n = 4, bf16 for several T: first a sweep of launch
+   configurations and arithmetic variants (``SWEEP``); the fastest config over all T (geometric mean;
+   the compiled default arithmetic: hardware casts, FMA division, ftz sigmoid) becomes the op's launch
+   config for S = 2560 for the rest of the run (``TUNED``, printed, to be written into
+   ``triton_gated_mean_quant.TUNED``). Then the checks of part 1, then the fused op against Inductor's
+   code for the unfused pattern (transformers-style gated mean, then ``quantize_per_token``) and eager,
+   with the faster of a memcpy and an elementwise copy of the same byte count as the ceiling; the fused
+   weighted sum is timed too.
+3. Host overhead per call at T = 1024 without CUDA graphs: the op called eagerly, from torch.compile'd
+   functions (traced through the triton_op; as an op node that Inductor lowers, as hcpasses' fusion pass
+   leaves it; the hcpasses backend on the unfused pattern) and Inductor's unfused code: host seconds per
+   call (the Python loop, launches queued) and wall seconds per call (loop + synchronize).
 
 Writes ``gated_mean_quant_h200.json``, ``gated_mean_quant_h200.png`` (plot) and Inductor's generated
 code for the unfused pattern to ``--out``.
@@ -23,11 +31,14 @@ code for the unfused pattern to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
 import statistics
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -35,6 +46,7 @@ import torch
 import triton
 
 from hcpasses.kernels import gated_mean_quant_reference, quant_epilogue_reference, weighted_sum_quant_reference
+from hcpasses.kernels import triton_gated_mean_quant as tk
 from hcpasses.kernels.triton_gated_mean_quant import LaunchConfig, default_launch_config, gated_mean_quant_triton
 from models.fp8 import quantize_per_token
 
@@ -49,12 +61,27 @@ CORRECTNESS_SHAPES = (  # (T, S, n, dtype)
     (77, 300, 4, torch.bfloat16),
     (3000, 7168, 4, torch.bfloat16),
 )
-SWEEP = (  # (rows, chunk, num_warps) for S = 2560; the default launch config is added when not listed
+SWEEP = (  # LaunchConfig fields for S = 2560; the default launch config is added when not listed
+    # single pass (chunk >= S: the row in registers as 2048 + 512 columns)
+    (1, 4096, 2),
+    (1, 4096, 4),
     (1, 4096, 8),
-    (1, 512, 2),
+    (1, 4096, 16),
+    (2, 4096, 8),
+    (2, 4096, 16),
+    # chunked (x stored, then re-read for the quant)
+    (2, 512, 4),
     (4, 512, 8),
     (1, 1024, 4),
+    # arithmetic variants (hw_casts, fma_division, fast_sigmoid): integer rounding + div_rn + tl.sigmoid
+    # (the interpreter's path; with (2, 512, 4) the previous kernel), one change at a time
+    (2, 512, 4, False, False, False),
+    (1, 4096, 4, False, False, False),
+    (1, 4096, 4, None, False, None),
+    (1, 4096, 4, None, None, False),
 )
+HOST_TOKENS = 1024
+HOST_CALLS = 200
 GRAPH_SECONDS = 5e-3  # aim for graphs of about this long
 REPLAYS = 15
 POISON_BYTES = 4 << 30
@@ -310,15 +337,22 @@ def sweep(tokens: int) -> list[dict]:
     for cfg in sweep_configs():
         seconds = time_per_call(with_config(cfg), sets, nbytes / 4e12)
         rows.append({"tokens": tokens, **dataclasses.asdict(cfg), "us": seconds * 1e6, "GBps": nbytes / seconds / 1e9})
+    del sets
+    torch.cuda.empty_cache()
     return rows
 
 
+def _row_config(row: dict) -> LaunchConfig:
+    return LaunchConfig(*(row[f.name] for f in dataclasses.fields(LaunchConfig)))
+
+
 def best_config(rows: list[dict]) -> LaunchConfig:
-    """The swept config with the smallest geometric mean time over the swept T."""
+    """The swept config with the default arithmetic and the smallest geometric mean time over the swept T."""
     by_config: dict[LaunchConfig, list[float]] = {}
     for row in rows:
-        by_config.setdefault(LaunchConfig(row["rows"], row["chunk"], row["num_warps"]), []).append(row["us"])
-    return min(by_config, key=lambda c: statistics.geometric_mean(by_config[c]))
+        by_config.setdefault(_row_config(row), []).append(row["us"])
+    auto = [c for c in by_config if (c.hw_casts, c.fma_division, c.fast_sigmoid) == (None, None, None)]
+    return min(auto, key=lambda c: statistics.geometric_mean(by_config[c]))
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -367,11 +401,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Run the checks and the timings; write JSON and the plot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--date", default=datetime.date.today().isoformat(), help="date recorded in the JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gated_mean_quant benchmark: needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    code_default = default_launch_config(HIDDEN)
+    sweeps = [row for tokens in TOKENS for row in sweep(tokens)]
+    best = best_config(sweeps)
+    tk.TUNED[HIDDEN] = best  # the op's launch config for S = 2560 from here on
+    print(f"best launch config: {best} (the code's default was {code_default})", flush=True)
     inductor_quant = torch.compile(quantize_per_token)
     checks = []
     for tokens, hidden, n, dtype in CORRECTNESS_SHAPES:
@@ -381,10 +421,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(json.dumps(checks[-1]), flush=True)
     torch.cuda.empty_cache()
 
-    sweeps = [row for tokens in TOKENS for row in sweep(tokens)]
-    best = best_config(sweeps)
-    print(f"best launch config: {best}", flush=True)
-    torch.cuda.empty_cache()
     inductor_fn = torch.compile(unfused, dynamic=False)
     code = inductor_generated_code(inductor_fn)
     (args.out / "gated_mean_quant_h200_inductor_unfused_T4096.txt").write_text(code)
@@ -393,21 +429,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         results.append(time_tokens(tokens, inductor_fn).row())
         print(json.dumps(results[-1]), flush=True)
         torch.cuda.empty_cache()
+    host = host_overheads(inductor_fn)
 
     large = [r for r in results if r["tokens"] >= 4096]
     report = {
-        "date": datetime.date.today().isoformat(),
+        "date": args.date,
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "shape": {"hidden": HIDDEN, "n_streams": N_STREAMS, "dtype": "bfloat16"},
         "method": "CUDA graph replays timed with CUDA events, median of 15, inputs rotated over >= 3x L2",
-        "default_launch_config": dataclasses.asdict(default_launch_config(HIDDEN)),
+        "code_default_launch_config": dataclasses.asdict(code_default),
         "best_launch_config": dataclasses.asdict(best),
-        "columns": "fused_us: the custom op (Triton kernel, default launch config) in graph replays; "
+        "columns": "fused_us: the custom op (Triton kernel, best_launch_config) in graph replays; "
         "fused_no_graph_us: the op launched call by call from Python (host overhead included); floor_us: the "
         "faster of a memcpy and an elementwise-kernel copy moving the same bytes",
+        "host_overhead_T1024": host,
         "inductor_unfused_triton_kernels": code.count("@triton.jit"),
         "correctness": checks,
         "correctness_ok": all(c["ok"] for c in checks),
@@ -416,11 +454,86 @@ def main(argv: Sequence[str] | None = None) -> None:
         "goals": {
             "pct_copy_at_T_ge_4096": {"goal": GOAL_PCT_COPY, "min": min(r["fused_pct_copy"] for r in large)},
             "speedup_vs_inductor": {"goal": GOAL_SPEEDUP, "min": min(r["speedup_vs_inductor"] for r in results)},
+            "speedup_vs_inductor_at_T_ge_4096": {
+                "goal": GOAL_SPEEDUP,
+                "min": min(r["speedup_vs_inductor"] for r in large),
+                "inductor_pct_copy_min": min(100 * r["floor_us"] / r["inductor_unfused_us"] for r in large),
+            },
         },
     }
     (args.out / "gated_mean_quant_h200.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "gated_mean_quant_h200.png")
     print_report(report)
+
+
+def host_time(fn: Fn, args: tuple, calls: int = HOST_CALLS) -> tuple[float, float]:
+    """Median over 5 loops of ``calls`` calls: (host seconds per call before syncing, wall seconds per call)."""
+    for _ in range(20):
+        fn(*args)
+    torch.cuda.synchronize()
+    host, wall = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        queued = time.perf_counter()
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        host.append((queued - start) / calls)
+        wall.append((done - start) / calls)
+    return statistics.median(host), statistics.median(wall)
+
+
+def _same_bits(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:
+    return all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want, strict=True))
+
+
+def host_overheads(inductor_fn: Fn) -> dict:
+    """Host and wall time per call at T = ``HOST_TOKENS`` of the fused op reached several ways, and Inductor's."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.export._trace import _disable_custom_triton_op_functional_decomposition
+
+    import hcpasses
+
+    xn, u = random_inputs(HOST_TOKENS, HIDDEN, N_STREAMS, DTYPE, N_STREAMS * HIDDEN)
+    eager = fused(xn, u)
+    out: dict[str, dict] = {}
+
+    def measure(name: str, make: Callable[[], Fn], compare: bool = True, ctx: Callable | None = None) -> None:
+        try:
+            fn = make()
+            # Caches off: the cache keys do not see whether the triton_op decomposition is on.
+            with ctx() if ctx else contextlib.nullcontext(), torch._inductor.config.patch(force_disable_caches=True):
+                got, codes = run_and_get_code(fn, xn, u) if name != "eager op" else (fn(xn, u), [])
+            row: dict = {}
+            if codes and compare:
+                code = "\n".join(codes)
+                row["launches_kernel"] = "_collapse_quant_kernel" in code and "torch.ops.hcpasses" not in code
+            if compare:
+                row["same_bits_as_eager"] = _same_bits(got, eager)
+            host, wall = host_time(fn, (xn, u))
+            out[name] = {"host_us": host * 1e6, "wall_us": wall * 1e6, **row}
+        except Exception as exc:  # report, keep the rest of the run
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            traceback.print_exc()
+        print(name, json.dumps(out[name]), flush=True)
+
+    torch._dynamo.reset()
+    measure("eager op", lambda: fused)
+    measure("compiled, traced through op", lambda: torch.compile(fused, dynamic=False))
+    torch._dynamo.reset()
+    measure(
+        "compiled, op node lowered",
+        lambda: torch.compile(fused, dynamic=False),
+        ctx=_disable_custom_triton_op_functional_decomposition,
+    )
+    torch._dynamo.reset()
+    backend = hcpasses.backend(sp_rewrite=False)
+    measure("hcpasses backend, unfused pattern", lambda: torch.compile(unfused, backend=backend, dynamic=False))
+    if backend.reports and "hcpasses backend, unfused pattern" in out:
+        out["hcpasses backend, unfused pattern"]["report"] = str(backend.reports[-1])[:1500]
+    measure("Inductor, unfused", lambda: inductor_fn, compare=False)
+    return out
 
 
 def inductor_generated_code(inductor_fn: Fn) -> str:
@@ -446,11 +559,21 @@ def print_report(report: dict) -> None:
     by_config: dict[str, list[str]] = {}
     for row in report["sweep"]:
         key = f"rows={row['rows']} chunk={row['chunk']} warps={row['num_warps']}"
+        if (row["hw_casts"], row["fma_division"], row["fast_sigmoid"]) != (None, None, None):
+            key += f" hw={row['hw_casts']} fma={row['fma_division']} fsig={row['fast_sigmoid']}"
         by_config.setdefault(key, []).append(f"{row['us']:8.1f}")
     print("sweep (us at T = " + ", ".join(map(str, TOKENS)) + f"); best: {report['best_launch_config']}")
     for key, times in by_config.items():
-        print(f"  {key:<28}" + "".join(times))
+        print(f"  {key:<58}" + "".join(times))
     print(summary_table(report["results"]))
+    print(f"host overhead per call, T = {HOST_TOKENS}, no CUDA graphs (us): host = Python loop, wall = loop + sync")
+    for name, row in report["host_overhead_T1024"].items():
+        if "host_us" in row:
+            extra = "" if row.get("launches_kernel") is None else f" launches kernel={row['launches_kernel']}"
+            extra += "" if row.get("same_bits_as_eager") is None else f" same bits={row['same_bits_as_eager']}"
+            print(f"  {name:<34} host {row['host_us']:7.1f}  wall {row['wall_us']:7.1f}{extra}")
+        else:
+            print(f"  {name:<34} {row}")
     print(json.dumps(report["goals"]))
 
 

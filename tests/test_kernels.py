@@ -5,14 +5,19 @@ Two parts:
 - The custom ops on CPU (their torch reference): fake implementations, the math against a float64
   formula, and the quant part bit-exact against :func:`models.fp8.quantize_per_token`.
 - :class:`TestTritonKernels`: the Triton kernels against the torch reference — q and scale bit-exact given
-  the kernel's own x, x within one ulp of its dtype. They run compiled on CUDA when a GPU is present and,
+  the kernel's own x, x within one ulp of its dtype — for each exact arithmetic path of the device
+  (:func:`_paths`: compiled, hardware casts + FMA division and the interpreter's integer rounding +
+  div_rn), and on CUDA that compiled graphs launch the kernel themselves (traced through the triton_op,
+  or lowered as a post-grad op node). They run compiled on CUDA when a GPU is present and,
   always where Triton is installed, under ``TRITON_INTERPRET=1`` on CPU. The interpreter must be chosen
   before Triton is imported, and setting it for the whole session could change how Inductor behaves in
   other test files, so :func:`test_triton_kernels_under_interpreter` runs the class in a child pytest.
   The interpreter is slow: its hypothesis sweeps are capped at ``MAX_KERNEL_EXAMPLES`` examples.
 """
 
+import contextlib
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -53,30 +58,41 @@ if HAS_TRITON:
 
     from hcpasses.kernels.triton_gated_mean_quant import (
         LaunchConfig,
+        default_launch_config,
         gated_mean_quant_triton,
         round_to_dtype,
         round_to_e4m3_grid,
+        row_pieces,
+        to_e4m3,
         weighted_sum_quant_triton,
     )
 
     TRITON_FUNCS = {"gated_mean_quant": gated_mean_quant_triton, "weighted_sum_quant": weighted_sum_quant_triton}
 
     @triton.jit
-    def _e4m3_kernel(v_ptr, grid_ptr, q_ptr, n, BLOCK: tl.constexpr):
-        """Store ``round_to_e4m3_grid(v)`` (fp32) and its FP8 cast (as bytes)."""
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        rounded = round_to_e4m3_grid(tl.load(v_ptr + offsets, mask=mask, other=0.0))
-        tl.store(grid_ptr + offsets, rounded, mask=mask)
-        tl.store(q_ptr + offsets, rounded.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
-
-    @triton.jit
-    def _cast_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        """Store ``round_to_dtype(v, out dtype)``."""
+    def _e4m3_kernel(v_ptr, grid_ptr, q_ptr, n, BLOCK: tl.constexpr, HW_CASTS: tl.constexpr):
+        """Store ``round_to_e4m3_grid(v)`` (fp32) and ``to_e4m3(v)`` (as bytes)."""
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
-        tl.store(out_ptr + offsets, round_to_dtype(v, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(grid_ptr + offsets, round_to_e4m3_grid(v), mask=mask)
+        tl.store(q_ptr + offsets, to_e4m3(v, HW_CASTS).to(tl.uint8, bitcast=True), mask=mask)
+
+    @triton.jit
+    def _cast_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr, HW_CASTS: tl.constexpr):
+        """Store ``v`` cast to the output dtype: ``round_to_dtype`` or the hardware cast."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
+        if HW_CASTS:
+            tl.store(out_ptr + offsets, v.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + offsets, round_to_dtype(v, out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _fma_kernel(a_ptr, b_ptr, c_ptr, out_ptr):
+        """``out = fma(a, b, c)`` for one fp32 element."""
+        tl.store(out_ptr, tl.fma(tl.load(a_ptr), tl.load(b_ptr), tl.load(c_ptr)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +281,39 @@ def test_dynamic_token_count_through_compile(op: str) -> None:
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("post_grad", [False, True], ids=["traced_through", "post_grad_node"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_cpu_op_stays_the_reference_under_inductor(op: str, post_grad: bool) -> None:
+    """Inductor on CPU calls the op (the torch reference), bit-exact with eager, never traces into it.
+
+    ``traced_through``: a compiled function calls the op (the triton_op is decomposed on CUDA only).
+    ``post_grad_node``: decomposition off, as for an op that hcpasses' fusion pass inserts post-grad; the
+    lowering of :mod:`hcpasses.kernels.inductor_lowering` falls back to the op on CPU.
+    """
+    from torch._inductor.utils import run_and_get_code
+    from torch.export._trace import _disable_custom_triton_op_functional_decomposition
+
+    torch._dynamo.reset()
+    streams, gates, _ = Case(37, 100, 4, torch.bfloat16, 11, 0, 2, 1, 1).inputs(op, "cpu")
+    fn = torch.compile(lambda a, b: OPS[op][0](a, b, 4), fullgraph=True)
+    ctx = _disable_custom_triton_op_functional_decomposition() if post_grad else contextlib.nullcontext()
+    with ctx, torch._inductor.config.patch(force_disable_caches=True):
+        got, codes = run_and_get_code(fn, streams, gates)
+    assert f"torch.ops.hcpasses.{op}.default(" in "\n".join(codes)
+    for g, want in zip(got, OPS[op][1](streams, gates, 4), strict=True):
+        assert torch.equal(g.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("op", list(OPS))
+def test_triton_op_names_its_kernel(op: str) -> None:
+    """The triton_op finds its kernel, so AOTAutograd's cache key covers the kernel's source."""
+    from torch._library.triton import get_triton_kernels_for_op
+
+    names = [getattr(k, "__name__", "") for k in get_triton_kernels_for_op(f"hcpasses::{op}")]
+    assert INTERPRET or names == ["_collapse_quant_kernel"]
+
+
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("tokens", [0, 1])
 def test_tiny_token_counts(op: str, tokens: int) -> None:
@@ -328,6 +377,35 @@ def _e4m3_probe_values() -> torch.Tensor:
     return torch.cat([values, -values])
 
 
+@functools.cache
+def _fma_rounds_once() -> bool:
+    """Whether ``tl.fma`` on ``KERNEL_DEVICE`` rounds once (before triton 3.7 the interpreter's rounds twice)."""
+    one = torch.tensor([1.0 + 2.0**-12], device=KERNEL_DEVICE)
+    out = torch.empty_like(one)
+    _fma_kernel[(1,)](one, one, -torch.tensor([1.0 + 2.0**-11], device=KERNEL_DEVICE), out)
+    return out.item() == 2.0**-24  # the exact result; rounding the product first gives 0
+
+
+def _paths() -> list[LaunchConfig | None]:
+    """Variants of the kernel's arithmetic to check here: the default and, where exact, the other ones.
+
+    Compiled: hardware casts + FMA division + ftz sigmoid (the default), and the interpreter's integer
+    rounding + div_rn + ``tl.sigmoid``. Interpreter: the latter (the default), and the FMA division where
+    ``tl.fma`` is exact.
+    """
+    if KERNEL_DEVICE == "cuda":
+        return [None, LaunchConfig(0, 0, 0, hw_casts=False, fma_division=False, fast_sigmoid=False)]
+    return [None, *([LaunchConfig(0, 0, 0, fma_division=True)] if _fma_rounds_once() else [])]
+
+
+def _with_path(config: LaunchConfig | None, path: LaunchConfig | None, hidden: int) -> LaunchConfig | None:
+    """``config`` (or the default for ``hidden``) with the arithmetic flags of ``path``."""
+    if path is None:
+        return config
+    flags = {f: getattr(path, f) for f in ("hw_casts", "fma_division", "fast_sigmoid")}
+    return dataclasses.replace(config or default_launch_config(hidden), **flags)
+
+
 def _kernel_examples(test: object) -> object:
     """Hypothesis settings for kernel sweeps: the profile's example count, capped at ``MAX_KERNEL_EXAMPLES``."""
     return settings(max_examples=min(settings().max_examples, MAX_KERNEL_EXAMPLES))(test)
@@ -337,33 +415,79 @@ def _kernel_examples(test: object) -> object:
 class TestTritonKernels:
     """The Triton kernels against the torch reference, on ``KERNEL_DEVICE``."""
 
-    def test_e4m3_rounding_matches_torch_cast(self) -> None:
+    @pytest.mark.parametrize("hw_casts", [False, True], ids=["grid_rounding", "hw_cast"])
+    def test_e4m3_rounding_matches_torch_cast(self, hw_casts: bool) -> None:
+        """Both e4m3 paths against torch's cast (the hardware cast only compiled: the interpreter's is wrong)."""
+        if hw_casts and KERNEL_DEVICE != "cuda":
+            pytest.skip("the interpreter's FP8 cast is wrong for some values (triton#8322)")
         values = _e4m3_probe_values().to(KERNEL_DEVICE)
         rounded, codes = torch.empty_like(values), torch.empty(values.shape, dtype=torch.uint8, device=KERNEL_DEVICE)
-        _e4m3_kernel[(triton.cdiv(values.numel(), 4096),)](values, rounded, codes, values.numel(), BLOCK=4096)
+        grid = (triton.cdiv(values.numel(), 4096),)
+        _e4m3_kernel[grid](values, rounded, codes, values.numel(), BLOCK=4096, HW_CASTS=hw_casts)
         expected = values.to(torch.float8_e4m3fn)
         assert torch.equal(codes, expected.view(torch.uint8)), f"{int((codes != expected.view(torch.uint8)).sum())}"
         assert torch.equal(rounded.view(torch.int32), expected.float().view(torch.int32))
 
+    @pytest.mark.parametrize("hw_casts", [False, True], ids=["int_rounding", "hw_cast"])
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-    def test_round_to_dtype_matches_torch_cast(self, dtype: torch.dtype) -> None:
+    def test_round_to_dtype_matches_torch_cast(self, dtype: torch.dtype, hw_casts: bool) -> None:
+        if hw_casts and KERNEL_DEVICE != "cuda":
+            pytest.skip("the interpreter's bf16 cast truncates")
         gen = torch.Generator().manual_seed(1)
         bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=gen, dtype=torch.int32)
         ties = (bits & ~0xFFFF) | 0x8000  # exactly half a bf16 ulp
         values = torch.cat([bits, ties]).view(torch.float32)
         values = values[torch.isfinite(values)].to(KERNEL_DEVICE)
         out = torch.empty(values.shape, dtype=dtype, device=KERNEL_DEVICE)
-        _cast_kernel[(triton.cdiv(values.numel(), 4096),)](values, out, values.numel(), BLOCK=4096)
+        _cast_kernel[(triton.cdiv(values.numel(), 4096),)](values, out, values.numel(), BLOCK=4096, HW_CASTS=hw_casts)
         expected = values.to(dtype)
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+    @pytest.mark.parametrize("path", range(2), ids=["default", "other"])
+    @pytest.mark.parametrize("config", [None, (1, 64, 2)], ids=["single_pass", "chunked"])
+    def test_division_near_e4m3_midpoints(self, path: int, config: tuple[int, int, int] | None) -> None:
+        """q bit-exact where ``x / scale`` lies within a few fp32 ulps of an e4m3 rounding point.
+
+        x goes straight through ``weighted_sum_quant`` with one stream and gate 1 (x = h exactly, fp32).
+        Rows: amax 448 * scale with scales over the range, then e4m3 grid points and midpoints times the
+        scale, each nudged by -3..3 ulps, both signs, and ±0.
+        """
+        paths = _paths()
+        if path >= len(paths):
+            pytest.skip("tl.fma rounds twice here, so the FMA division is not exact")
+        gen = torch.Generator().manual_seed(3)
+        grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])  # 253 values in [0, 448]
+        scales = torch.cat([torch.tensor([ops.MIN_SCALE]), 10.0 ** (torch.rand(63, generator=gen) * 60 - 30)])
+        rows = []
+        for s in scales.float():
+            amax = (s.double() * 448).float()
+            scale = quant_epilogue_reference(amax.reshape(1, 1))[1].reshape(())
+            base = (points * scale).float()
+            near = [base]
+            up, down = base, base
+            for _ in range(3):
+                up, down = torch.nextafter(up, torch.tensor(math.inf)), torch.nextafter(down, torch.tensor(0.0))
+                near += [up, down]
+            vals = torch.cat(near).clamp(max=amax)
+            sign = torch.where(torch.rand(vals.shape, generator=gen) < 0.5, -1.0, 1.0)
+            rows.append(torch.cat([amax.reshape(1), vals * sign, torch.tensor([0.0, -0.0])]))
+        h = torch.stack(rows).to(KERNEL_DEVICE)
+        w = torch.ones(h.shape[0], 1, device=KERNEL_DEVICE)
+        cfg = _with_path(None if config is None else LaunchConfig(*config), paths[path], h.shape[1])
+        x, q, scale = weighted_sum_quant_triton(h, w, 1, cfg)
+        assert torch.equal(x.view(torch.int32), h.view(torch.int32))
+        _assert_quant_matches(x, q, scale, [])
 
     @pytest.mark.parametrize("op", list(OPS))
     @_kernel_examples
     @given(case=cases(max_elements=40_000), data=st.data())
     def test_kernel_matches_reference(self, op: str, case: Case, data: st.DataObject) -> None:
-        """Default launch (the whole row in one chunk) or a drawn one (rows in several chunks, re-read)."""
+        """Default launch (single pass: the row in registers) or a drawn one (several chunks, re-read), with
+        each exact arithmetic path of this device (:func:`_paths`)."""
         streams, gates, zero = case.inputs(op, KERNEL_DEVICE)
         config = data.draw(st.one_of(st.none(), chunked_configs(case.hidden)))
+        config = _with_path(config, data.draw(st.sampled_from(_paths())), case.hidden)
         x, q, scale = TRITON_FUNCS[op](streams, gates, case.n_streams, config)
         assert x.dtype == case.dtype and x.shape == (case.tokens, case.hidden)
         _assert_quant_matches(x, q, scale, zero)
@@ -375,8 +499,20 @@ class TestTritonKernels:
     def test_launch_config_does_not_change_results(self, op: str, config: tuple[int, int, int]) -> None:
         streams, gates, _ = Case(37, 100, 4, torch.bfloat16, 5, 0, 3, 1, 1).inputs(op, KERNEL_DEVICE)
         default = TRITON_FUNCS[op](streams, gates, 4)
-        for got, want in zip(TRITON_FUNCS[op](streams, gates, 4, LaunchConfig(*config)), default, strict=True):
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        for path in _paths():
+            got_all = TRITON_FUNCS[op](streams, gates, 4, _with_path(LaunchConfig(*config), path, 100))
+            for got, want in zip(got_all, default, strict=True):
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+    def test_row_pieces_and_default_configs(self) -> None:
+        assert row_pieces(2560) == (2048, 512) and row_pieces(7168) == (4096, 2048, 1024)
+        assert row_pieces(300) == (256, 32, 16) and row_pieces(1000) == (1024,) and row_pieces(1) == (1,)
+        for hidden in [*range(1, 600), 2560, 4096, 7168, 8191, 8193, 16384]:
+            pieces = row_pieces(hidden)
+            assert len(pieces) <= 3 and sum(pieces) >= hidden and all(p & (p - 1) == 0 for p in pieces)
+            cfg = default_launch_config(hidden)
+            assert cfg.rows & (cfg.rows - 1) == 0 and cfg.chunk & (cfg.chunk - 1) == 0 and cfg.num_warps >= 1
+            assert (cfg.chunk >= hidden) == (sum(pieces) <= 8192)
 
     @pytest.mark.parametrize("op", list(OPS))
     def test_zero_tokens(self, op: str) -> None:
@@ -391,3 +527,27 @@ class TestTritonKernels:
         torch.library.opcheck(OPS[op][0], (streams, gates, 4))
         for got, want in zip(OPS[op][0](streams, gates, 4), TRITON_FUNCS[op](streams, gates, 4), strict=True):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+    @pytest.mark.skipif(KERNEL_DEVICE != "cuda", reason="Inductor launches the kernel on CUDA only")
+    @pytest.mark.parametrize("post_grad", [False, True], ids=["traced_through", "post_grad_lowering"])
+    @pytest.mark.parametrize("op", list(OPS))
+    def test_compiled_graph_launches_the_kernel(self, op: str, post_grad: bool) -> None:
+        """Inductor's code calls the Triton kernel itself, no custom-op fallback; results as eager.
+
+        ``traced_through``: AOTAutograd decomposes the triton_op. ``post_grad_lowering``: decomposition off,
+        so the op reaches Inductor as a graph node, as when hcpasses' fusion pass inserts it; the lowering
+        of :mod:`hcpasses.kernels.inductor_lowering` launches the kernel.
+        """
+        from torch._inductor.utils import run_and_get_code
+        from torch.export._trace import _disable_custom_triton_op_functional_decomposition
+
+        torch._dynamo.reset()
+        streams, gates, _ = Case(300, 2560, 4, torch.bfloat16, 11, 0, 2, 1, 1).inputs(op, "cuda")
+        fn = torch.compile(lambda a, b: OPS[op][0](a, b, 4), fullgraph=True)
+        ctx = _disable_custom_triton_op_functional_decomposition() if post_grad else contextlib.nullcontext()
+        with ctx, torch._inductor.config.patch(force_disable_caches=True):  # the keys do not see ctx
+            got, codes = run_and_get_code(fn, streams, gates)
+        code = "\n".join(codes)
+        assert "_collapse_quant_kernel" in code and "torch.ops.hcpasses" not in code, code[-3000:]
+        for g, want in zip(got, OPS[op][0](streams, gates, 4), strict=True):
+            assert torch.equal(g.view(torch.uint8), want.view(torch.uint8))

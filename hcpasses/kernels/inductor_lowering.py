@@ -12,14 +12,15 @@ as any ``wrap_triton`` call), with the launch of :func:`triton_gated_mean_quant.
 made contiguous first (a layout constraint on the op). Anything it does not handle goes to Inductor's
 plain fallback: a device other than CUDA (the torch reference), a symbolic width, or the interpreter.
 
-Set ``HCPASSES_KERNEL_LOWERING=0`` before importing hcpasses to leave the ops as plain fallbacks.
+These are Inductor internals (``torch._inductor.lowering``, ``triton_kernel_wrapper_mutation``); the
+registration checks that every piece exists and otherwise leaves the ops as fallbacks, and
+tests/test_kernels.py runs compiled graphs both ways on the GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 import sympy
@@ -33,9 +34,7 @@ REGISTERED: list[torch._ops.OpOverload] = []
 
 
 def register_lowerings(gated_mean_op: torch._ops.OpOverload, weighted_sum_op: torch._ops.OpOverload) -> bool:
-    """Register the lowerings for the two ops (once); False when disabled or Inductor lacks the pieces."""
-    if os.environ.get("HCPASSES_KERNEL_LOWERING", "1") == "0":
-        return False
+    """Register the lowerings for the two ops (once); False when Inductor lacks the pieces."""
     try:
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_mutation
         from torch._inductor import lowering

@@ -10,8 +10,8 @@ Two shapes of program (:class:`LaunchConfig`):
 
 - Single pass (``chunk >= S``): the whole row is held in registers as up to three power-of-two pieces
   (S = 2560 is 2048 + 512, S = 7168 is 4096 + 2048 + 1024; :func:`row_pieces`), so no lane is padded
-  and x is never re-read. All loads of a row are issued before the first store. Used up to
-  ``SINGLE_PASS_MAX`` columns per program.
+  and x is never re-read; no store comes between the row's loads, so the compiler may issue them as early
+  as registers allow. Used up to ``SINGLE_PASS_MAX`` columns per program (rows x row cover).
 - Chunked (``chunk < S``): ``CHUNK`` columns at a time; each chunk of x is stored with the running row
   max, then x is read back (from cache: this program just wrote it) to quantise.
 
@@ -24,16 +24,19 @@ Bit-exactness with the torch reference (:mod:`hcpasses.kernels.gated_mean_quant`
   which by Markstein's theorem gives the correctly rounded quotient ``RN(x / scale)`` (no underflow can
   matter: a quotient below 2**-10 rounds to ±0 in e4m3 whatever its fp32 error, and the sign is kept;
   x = ±0 is passed through). That is a multiply and four FMAs instead of an IEEE division per element.
+  The gate's sigmoid uses libdevice's flush-to-zero ``ex2`` and division (``FAST_SIGMOID``, see
+  :func:`_sigmoid`); x is not bit-exact anyway (within one ulp), q and scale are exact given x.
 - Triton interpreter (``TRITON_INTERPRET=1``, read at launch time): its FP8 cast is wrong for some values
-  (triton#8322), its bf16 cast truncates, and before triton 3.7 its ``fma`` rounds twice. There values are
-  rounded onto the bf16 and e4m3 grids with integer/bit arithmetic before the casts, and the division is
-  ``tl.math.div_rn`` (Triton's ``/`` on fp32 is approximate). The compiled GPU tests check the hardware
-  path bit for bit against the reference, the interpreter tests the integer path.
+  (triton#8322), its bf16 cast truncates, and its ``fma`` rounds twice in triton 3.6 (once in 3.9). There
+  values are rounded onto the bf16 and e4m3 grids with integer/bit arithmetic before the casts, the
+  division is ``tl.math.div_rn`` (Triton's ``/`` on fp32 is approximate) and the sigmoid ``tl.sigmoid``.
+  The compiled GPU tests check both arithmetic paths bit for bit (q, scale) against the reference, the
+  interpreter tests its own path and, where its ``fma`` is exact, the FMA division.
 
 The ``*_triton`` wrappers launch the plain ``@triton.jit`` kernel on whatever device the tensors live on
 (CPU tensors under the interpreter). :func:`gated_mean_quant_cuda` / :func:`weighted_sum_quant_cuda` are
 the CUDA bodies of the ``torch.library.triton_op`` custom ops: they launch through
-``torch.library.wrap_triton`` so that a compiled graph calls the kernel directly. :func:`lowering_plan`
+``torch.library.wrap_triton`` so that a compiled graph calls the kernel directly. :func:`kernel_plan`
 describes the launch for the Inductor lowering in :mod:`hcpasses.kernels.inductor_lowering`.
 """
 
@@ -88,8 +91,9 @@ class LaunchConfig:
     fast_sigmoid: bool | None = None
 
 
-# Launch configs measured best on an H200 (benchmarks/gated_mean_quant.py, 2026-11-29), by hidden size S.
-TUNED: dict[int, LaunchConfig] = {}
+# Launch configs measured best on an H200 (benchmarks/gated_mean_quant.py, 2026-11-29, torch 2.11, triton 3.6),
+# by hidden size S: geometric mean over T = 1024..65536, n = 4, bf16 (benchmarks/results/gated_mean_quant_h200.*).
+TUNED: dict[int, LaunchConfig] = {2560: LaunchConfig(rows=1, chunk=4096, num_warps=2)}
 
 
 def interpreting() -> bool:
@@ -280,15 +284,15 @@ def _store_codes(codes, q_ptr, offsets, mask):
 
 
 @triton.jit
-def _piece_sum(
-    streams_ptr, gates_ptr, rows, row_ok, n_tokens, START: tl.constexpr, WIDTH: tl.constexpr,
-    HIDDEN: tl.constexpr, GATED: tl.constexpr, N_STREAMS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
-):  # fmt: skip
-    """Single pass: the fp32 sum of columns ``START .. START + WIDTH`` of the rows, with its mask."""
+def _piece_index(rows, row_ok, START: tl.constexpr, WIDTH: tl.constexpr, HIDDEN: tl.constexpr):
+    """Single pass: columns ``START .. START + WIDTH`` of the rows, their mask and their offsets in x.
+
+    Kept apart from the pointers: Inductor's mutation analysis of user kernels takes a value that a call
+    derived from a pointer argument for that pointer, so offsets returned alongside loads from the
+    inputs would make it think the inputs are written.
+    """
     cols = START + tl.arange(0, WIDTH)
-    mask = row_ok[:, None] & (cols[None, :] < HIDDEN)
-    acc = _collapse_block(streams_ptr, gates_ptr, rows, cols, mask, n_tokens, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID)
-    return acc, rows[:, None] * HIDDEN + cols[None, :], mask
+    return cols, row_ok[:, None] & (cols[None, :] < HIDDEN), rows[:, None] * HIDDEN + cols[None, :]
 
 
 @triton.jit
@@ -316,16 +320,19 @@ def _collapse_quant_kernel(
     row_ok = rows < n_tokens
     if P0 > 0:
         # Every load of the row first (no store in between, so nothing orders them after one).
-        acc0, off0, mask0 = _piece_sum(
-            streams_ptr, gates_ptr, rows, row_ok, n_tokens, 0, P0, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
+        cols0, mask0, off0 = _piece_index(rows, row_ok, 0, P0, HIDDEN)
+        acc0 = _collapse_block(
+            streams_ptr, gates_ptr, rows, cols0, mask0, n_tokens, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
         )
         if P1 > 0:
-            acc1, off1, mask1 = _piece_sum(
-                streams_ptr, gates_ptr, rows, row_ok, n_tokens, P0, P1, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
+            cols1, mask1, off1 = _piece_index(rows, row_ok, P0, P1, HIDDEN)
+            acc1 = _collapse_block(
+                streams_ptr, gates_ptr, rows, cols1, mask1, n_tokens, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
             )
         if P2 > 0:
-            acc2, off2, mask2 = _piece_sum(
-                streams_ptr, gates_ptr, rows, row_ok, n_tokens, P0 + P1, P2, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
+            cols2, mask2, off2 = _piece_index(rows, row_ok, P0 + P1, P2, HIDDEN)
+            acc2 = _collapse_block(
+                streams_ptr, gates_ptr, rows, cols2, mask2, n_tokens, HIDDEN, GATED, N_STREAMS, FAST_SIGMOID
             )
         xf0, amax = _piece_store_x(acc0, x_ptr, off0, mask0, HW_CASTS)
         if P1 > 0:
@@ -441,7 +448,7 @@ def _launch(
     interpreter has no fp8 tensors).
     """
     tokens, width = streams.shape
-    hidden = width // n_streams
+    hidden = int(width // n_streams)  # a constexpr of the kernel: a symbolic width is specialised here
     x, q, scale = ops.empty_outputs(streams, hidden)
     if tokens == 0:
         return x, q, scale
