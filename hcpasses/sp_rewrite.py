@@ -382,7 +382,7 @@ class _Rewriter:
         anchor = self.rows if isinstance(self.rows, fx.Node) else region.start
         with self.graph.inserting_after(anchor):
             shard = self.graph.call_function(torch.ops.hcpasses.shard_rows.default, (region.start, self.rank, self.tp))
-        self._redirect(region.start, shard, inside=True)
+        self._use_in_region(region.start, shard)
         for all_reduce, wait in region.reduces:
             self._reduce_scatter(all_reduce, wait)
         for node in region.nodes:
@@ -406,9 +406,10 @@ class _Rewriter:
             if node.target is SYM_SIZE and node.args[0] in self.region.nodes and node.args[1] == 0:
                 node.args = (self.region.start, 0)
 
-    def _redirect(self, old: fx.Node, new: fx.Node, inside: bool) -> None:
+    def _use_in_region(self, old: fx.Node, new: fx.Node) -> None:
+        """Region nodes read ``new`` where they read ``old``; everything else keeps ``old``."""
         for user in list(old.users):
-            if user is not new and (user in self.region.nodes) == inside:
+            if user in self.region.nodes:
                 user.replace_input_with(old, new)
 
     def _reduce_scatter(self, all_reduce: fx.Node, wait: fx.Node) -> None:

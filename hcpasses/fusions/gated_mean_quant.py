@@ -36,20 +36,14 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.patterns.collapse import (
-    ACTIVATION_DTYPES,
-    COLLAPSES,
     FUSED_GATED_MEAN,
     FUSED_WEIGHTED_SUM,
-    N_TRACE,
-    S_TRACE,
-    T_TRACE,
     Collapse,
     CollapseFinder,
     match_check,
-    search_fns,
     stream_split,
+    traced_patterns,
 )
-from hcpasses.patterns.tracing import trace_pattern
 
 
 class GatedMeanQuantFusion(GraphPass):
@@ -64,16 +58,12 @@ class GatedMeanQuantFusion(GraphPass):
 
     def _build_fuser(self) -> PatternMatcherPass:
         fuser = PatternMatcherPass(pass_name="hcpasses_gated_mean_quant")
-        for collapse in COLLAPSES:
-            scalars = {"n": N_TRACE} if collapse.literal_n else None
-            for dtype in ACTIVATION_DTYPES:
-                examples = [collapse.gate_example(dtype), torch.randn(T_TRACE, N_TRACE * S_TRACE, dtype=dtype)]
-                for kind in ("quant", "quant_keep_x"):
-                    pattern = trace_pattern(search_fns(collapse)[kind], examples, ["gate", "streams"], scalars)
-                    check = match_check(collapse, dtype)
-                    register_graph_pattern(pattern, extra_check=check, pass_dict=fuser)(
-                        _fuse_handler(collapse, dtype, kind)
-                    )
+        for kind in ("quant", "quant_keep_x"):
+            for collapse, dtype, pattern in traced_patterns(kind):
+                check = match_check(collapse, dtype)
+                register_graph_pattern(pattern, extra_check=check, pass_dict=fuser)(
+                    _fuse_handler(collapse, dtype, kind)
+                )
         return fuser
 
     def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:

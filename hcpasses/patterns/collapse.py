@@ -10,12 +10,12 @@ with static n and S, the reductions run over the stream dim, dtypes are the regi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_graph_pattern
+from torch._inductor.pattern_matcher import Match, PatternExpr, PatternMatcherPass, register_graph_pattern
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import hcpasses.kernels  # noqa: F401  (registers torch.ops.hcpasses.*)
@@ -127,13 +127,9 @@ class CollapseFinder:
 
     def _build(self) -> PatternMatcherPass:
         finder = PatternMatcherPass(pass_name="hcpasses_find_hc_collapse")
-        for collapse in COLLAPSES:
-            scalars = {"n": N_TRACE} if collapse.literal_n else None
-            for dtype in ACTIVATION_DTYPES:
-                examples = [collapse.gate_example(dtype), torch.randn(T_TRACE, N_TRACE * S_TRACE, dtype=dtype)]
-                pattern = trace_pattern(search_fns(collapse)["collapse"], examples, ["gate", "streams"], scalars)
-                check = match_check(collapse, dtype)
-                register_graph_pattern(pattern, extra_check=check, pass_dict=finder)(self._record(collapse, dtype))
+        for collapse, dtype, pattern in traced_patterns("collapse"):
+            check = match_check(collapse, dtype)
+            register_graph_pattern(pattern, extra_check=check, pass_dict=finder)(self._record(collapse, dtype))
         return finder
 
     def _record(self, collapse: Collapse, dtype: torch.dtype) -> Callable[..., None]:
@@ -164,6 +160,15 @@ def _fused(node: fx.Node) -> FoundCollapse:
     assert isinstance(streams, fx.Node) and isinstance(gate, fx.Node) and isinstance(n, int)
     outputs = tuple(user for user in node.users)
     return FoundCollapse(node, outputs, gate, streams, n, normed=node.target is FUSED_GATED_MEAN)
+
+
+def traced_patterns(kind: str) -> Iterator[tuple[Collapse, torch.dtype, PatternExpr]]:
+    """Every collapse in every activation dtype, traced as the ``kind`` search function of ``search_fns``."""
+    for collapse in COLLAPSES:
+        scalars = {"n": N_TRACE} if collapse.literal_n else None
+        for dtype in ACTIVATION_DTYPES:
+            examples = [collapse.gate_example(dtype), torch.randn(T_TRACE, N_TRACE * S_TRACE, dtype=dtype)]
+            yield collapse, dtype, trace_pattern(search_fns(collapse)[kind], examples, ["gate", "streams"], scalars)
 
 
 def match_check(collapse: Collapse, dtype: torch.dtype) -> Callable[[Match], bool]:
