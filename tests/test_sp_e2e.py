@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,3 +124,40 @@ def test_two_gloo_ranks_match_single_device_eager() -> None:
     reports = first["dynamic-reports"]
     assert "[sharded variant]" in reports[0] and "[unsharded variant]" in reports[1]
     assert "gated_mean_quant   applied" in reports[0]
+
+
+def recording_compile_fx(monkeypatch) -> list[dict[str, Any]]:
+    """Record the Inductor config patches of every compile the backend makes."""
+    backend_module = sys.modules["hcpasses.backend"]  # the module; ``hcpasses.backend`` is the function
+    seen: list[dict[str, Any]] = []
+    real = backend_module.compile_fx
+
+    def compile_fx(gm: Any, example_inputs: Any, config_patches: dict[str, Any]) -> Any:
+        seen.append(config_patches)
+        return real(gm, example_inputs, config_patches=config_patches)
+
+    monkeypatch.setattr(backend_module, "compile_fx", compile_fx)
+    return seen
+
+
+@pytest.mark.usefixtures("rank0_of_2")
+def test_cudagraphs_only_for_unsharded_graphs(monkeypatch) -> None:
+    seen = recording_compile_fx(monkeypatch)
+    model = HCDecoder(HCConfig.tiny(**TINY))
+    compile_once(model, torch.randint(0, 64, (12,)), sp_min_tokens=64, cudagraphs=True)  # static, below the threshold
+    assert [p["triton.cudagraphs"] for p in seen] == [False, True]  # recompiled with CUDA graphs: unsharded
+    seen.clear()
+    compile_once(model, torch.randint(0, 64, (80,)), sp_min_tokens=64, cudagraphs=True)  # static, sharded
+    assert [p["triton.cudagraphs"] for p in seen] == [False]
+    seen.clear()
+    torch._dynamo.reset()
+    be = hcpasses.backend(sp_min_tokens=64, cudagraphs=True)
+    with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
+        torch.compile(model, backend=be, dynamic=True)(torch.randint(0, 64, (80,)))
+    assert [r.variant for r in be.reports] == ["sharded", "unsharded"], [str(r) for r in be.reports]
+    # Dynamo may trace the dynamic graph twice; every compile of the sharded pipeline is without CUDA graphs
+    assert [(p["post_grad_custom_pre_pass"].config.sp_rewrite, p["triton.cudagraphs"]) for p in seen][-2:] == [
+        (True, False),
+        (False, True),
+    ]
+    assert not any(p["triton.cudagraphs"] for p in seen if p["post_grad_custom_pre_pass"].config.sp_rewrite)
