@@ -5,6 +5,11 @@
     compiled(x)
     print(be.reports[-1])
 
+Variants: when the SP rewrite shards a graph whose token count T is symbolic, the same Dynamo graph is
+compiled a second time without SP and a ``TokenDispatch`` runs the sharded graph for T >=
+``sp_min_tokens`` and the unsharded one below (decode sizes keep the plain graph). With
+``cudagraphs=True`` only unsharded graphs are compiled with CUDA graphs.
+
 ``torch.compile(model, backend="hcpasses")`` finds ``compile_with_defaults`` through the
 ``torch_dynamo_backends`` entry point; its reports are on ``hcpasses.default_backend().reports``.
 
