@@ -151,8 +151,11 @@ class HCDecoder(nn.Module):
     """The whole model: ``input_ids [T] -> logits [T, vocab]`` (and optionally the HC state).
 
     TP rank and size come from the default process group unless given. Weights depend only on ``cfg``
-    (and the rank's slice), so every TP size computes the same function.
+    (and the rank's slice), so every TP size computes the same function. Another HC family reuses the
+    rest of the model by overriding ``layer_class`` and ``make_final_mixer``.
     """
+
+    layer_class: type[nn.Module] = HCDecoderLayer
 
     def __init__(self, cfg: HCConfig, tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__()
@@ -161,15 +164,19 @@ class HCDecoder(nn.Module):
         cfg.check_tp(self.tp_size)
         self.embed = replicated_parameter(cfg.seed, "embed", (cfg.vocab_size, cfg.hidden), 1.0, cfg.dtype)
         self.layers = nn.ModuleList(
-            HCDecoderLayer(cfg, i, tp_rank=self.tp_rank, tp_size=self.tp_size) for i in range(cfg.n_layers)
+            self.layer_class(cfg, i, tp_rank=self.tp_rank, tp_size=self.tp_size) for i in range(cfg.n_layers)
         )
-        self.final_mixer = FinalMixer(cfg, name="final_mixer")
+        self.final_mixer = self.make_final_mixer(cfg)
         self.final_norm_weight = replicated_parameter(
             cfg.seed, "final_norm_weight", (cfg.hidden,), NORM_WEIGHT_STD, cfg.dtype
         )
         self.lm_head = replicated_parameter(
             cfg.seed, "lm_head", (cfg.vocab_size, cfg.hidden), cfg.hidden**-0.5, cfg.dtype
         )
+
+    def make_final_mixer(self, cfg: HCConfig) -> nn.Module:
+        """The collapse that ends the model: ``h [T, n*S] -> x [T, S]``."""
+        return FinalMixer(cfg, name="final_mixer")
 
     def forward(
         self, input_ids: torch.Tensor, return_hc_state: bool = False

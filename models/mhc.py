@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HCConfig
-from .decoder import MLP, Attention, PLELayer, rope_tables
-from .hc import NORM_WEIGHT_STD, grouped_rms_norm
-from .tp import replicated_parameter, resolve_tp, seeded_normal
+from .decoder import MLP, Attention, HCDecoder, PLELayer
+from .tp import replicated_parameter, seeded_normal
 
 SINKHORN_ITERS = 3
 HC_EPS = 1e-6
@@ -143,7 +142,7 @@ class MHCDecoderLayer(nn.Module):
         return self.mlp_hc.combine(h, self.mlp(x), post, comb)
 
 
-class MHCDecoder(nn.Module):
+class MHCDecoder(HCDecoder):
     """The mHC model: ``input_ids [T] -> logits [T, vocab]`` (and optionally the HC state).
 
     Same sub-layers, embedding, final norm and lm_head as :class:`~models.decoder.HCDecoder`; the HC blocks
@@ -151,34 +150,7 @@ class MHCDecoder(nn.Module):
     slice), so every TP size computes the same function.
     """
 
-    def __init__(self, cfg: HCConfig, tp_rank: int | None = None, tp_size: int | None = None) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
-        cfg.check_tp(self.tp_size)
-        self.embed = replicated_parameter(cfg.seed, "embed", (cfg.vocab_size, cfg.hidden), 1.0, cfg.dtype)
-        self.layers = nn.ModuleList(
-            MHCDecoderLayer(cfg, i, tp_rank=self.tp_rank, tp_size=self.tp_size) for i in range(cfg.n_layers)
-        )
-        self.hc_head = ManifoldHyperHead(cfg, name="hc_head")
-        self.final_norm_weight = replicated_parameter(
-            cfg.seed, "final_norm_weight", (cfg.hidden,), NORM_WEIGHT_STD, cfg.dtype
-        )
-        self.lm_head = replicated_parameter(
-            cfg.seed, "lm_head", (cfg.vocab_size, cfg.hidden), cfg.hidden**-0.5, cfg.dtype
-        )
+    layer_class = MHCDecoderLayer
 
-    def forward(
-        self, input_ids: torch.Tensor, return_hc_state: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``logits [T, vocab]``, or ``(logits, state [T, n, S])`` with the streams after the last combine."""
-        cfg = self.cfg
-        h = F.embedding(input_ids, self.embed).repeat(1, cfg.n_streams)
-        rope = rope_tables(input_ids.shape[0], cfg.head_dim, h.device, h.dtype)
-        for layer in self.layers:
-            h = layer(h, input_ids, rope)
-        x = grouped_rms_norm(self.hc_head(h), self.final_norm_weight, cfg.hidden, cfg.eps)
-        logits = F.linear(x, self.lm_head)
-        if return_hc_state:
-            return logits, h.unflatten(-1, (cfg.n_streams, cfg.hidden))
-        return logits
+    def make_final_mixer(self, cfg: HCConfig) -> nn.Module:
+        return ManifoldHyperHead(cfg, name="hc_head")
