@@ -14,14 +14,17 @@ After::
     x, q, scale = hcpasses.gated_mean_quant(xn, u, n)     # one pass over xn and u
     (x kept only when something other than the quant uses it)
 
+With more than one token dim (``[batch, seq, n*S]``, transformers), the op reads the streams and the
+gate reshaped to ``[batch*seq, width]`` and its outputs are reshaped back.
+
 The same for ATOM's fp32 mean (``(sum_s sigmoid(u_s) * xn_s) / n``, one rounding) and for the
 DeepSeek-V4 mHC collapse (``sum_s w_s * h_s``, scalar fp32 gates) -> ``hcpasses.weighted_sum_quant``.
 
 Applies when: the collapse is exactly one of the patterns in ``hcpasses.patterns.gated_mean`` in
-fp32, bf16 or fp16 (both inputs of that dtype; mHC gates fp32), on 2-D ``[T, n*S]`` streams with static
-n and S, and the quant that follows is the DESIGN §5 convention to the constant. Bails out (leaves the
-collapse alone and says so in the report) when no quant follows, when the quant differs in any
-constant or dtype, or when the collapse reduces over another dim.
+fp32, bf16 or fp16 (both inputs of that dtype; mHC gates fp32), on ``[..., n*S]`` (or stacked
+``[..., n, S]``) streams with static n and S, and the quant that follows is the DESIGN §5 convention
+to the constant. Bails out (leaves the collapse alone and says so in the report) when no quant
+follows, when the quant differs in any constant or dtype, or when the collapse reduces over another dim.
 """
 
 from __future__ import annotations
@@ -84,10 +87,14 @@ def _fuse_handler(collapse: Collapse, dtype: torch.dtype, kind: str) -> Callable
     def handler(match: Match, *args: Any, **kwargs: Any) -> None:
         split = stream_split(match, collapse, dtype)
         assert split is not None  # extra_check passed on this very match
-        n = split[0]
+        n, hidden = split
 
         def replacement(gate: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            x, q, scale = collapse.fused_op(streams, gate, n)
+            tokens = gate.shape[:-1]  # [T] or [batch, seq]: the fused op wants them flat
+            flat = (streams.reshape(-1, n * hidden), gate.reshape(-1, gate.shape[-1])) if len(tokens) > 1 else None
+            x, q, scale = collapse.fused_op(*(flat or (streams, gate)), n)
+            if flat:
+                x, q, scale = (t.reshape(*tokens, t.shape[-1]) for t in (x, q, scale))
             return (x, q, scale) if kind == "quant_keep_x" else (q, scale)
 
         match.replace_by_example(replacement, [kwargs["gate"], kwargs["streams"]])

@@ -1,10 +1,12 @@
 """Finding HC stream collapses in a post-grad graph (used by the fusion and the SP passes).
 
-A collapse turns the n streams ``[T, n*S]`` into the sub-layer input ``x [T, S]``. It is found either
+A collapse turns the n streams ``[..., n*S]`` (or stacked ``[..., n, S]``) into the sub-layer input
+``x [..., S]``; the leading dims are the tokens (``[T]`` or ``[batch, seq]``). It is found either
 unfused (one of the plain-torch patterns of ``hcpasses.patterns.gated_mean``, traced per activation
 dtype) or already fused (``torch.ops.hcpasses.gated_mean_quant`` / ``weighted_sum_quant``). Every match
-is checked beyond the pattern (``stream_split``): the reshapes split ``[T, n*S]`` into ``[T, n, S]``
-with static n and S, the reductions run over the stream dim, dtypes are the registered ones.
+is checked beyond the pattern (``stream_split``): the reshapes split ``[..., n*S]`` into ``[..., n, S]``
+with static n and S, the gate has the streams' leading dims, the reductions run over the stream dim,
+dtypes are the registered ones.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import Match, PatternExpr, PatternMatcherPass, register_graph_pattern
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import hcpasses.kernels  # noqa: F401  (registers torch.ops.hcpasses.*)
-from hcpasses.patterns.gated_mean import atom_gated_mean, mhc_collapse, per_token_quant, transformers_gated_mean
-from hcpasses.patterns.tracing import matched, reduces_dim, split_streams, trace_pattern
+from hcpasses.patterns.gated_mean import (
+    atom_gated_mean,
+    mhc_collapse,
+    per_token_quant,
+    stacked_mhc_collapse,
+    transformers_gated_mean,
+)
+from hcpasses.patterns.tracing import matched, reduces_dim, same_sizes, split_streams, trace_pattern
 
 aten = torch.ops.aten
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,13 +44,19 @@ class Collapse:
     name: str
     search: Callable[..., torch.Tensor]  # (gate, streams, n, hidden) -> x
     reduction: Any  # the ATen op that sums over the stream dim
-    gated_mean: bool  # True: gate is u [T, n*S] (sigmoid inside); False: gate is w [T, n] fp32
+    gated_mean: bool  # True: gate is u [..., n*S] (sigmoid inside); False: gate is w [..., n] fp32
     literal_n: bool  # the pattern divides by a literal n
+    stacked: bool = False  # streams are [..., n, S] (no reshape in the pattern) instead of [..., n*S]
 
     def gate_example(self, dtype: torch.dtype) -> torch.Tensor:
         if self.gated_mean:
             return torch.randn(T_TRACE, N_TRACE * S_TRACE, dtype=dtype)
         return torch.randn(T_TRACE, N_TRACE, dtype=torch.float32)
+
+    def streams_example(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.stacked:
+            return torch.randn(T_TRACE, N_TRACE, S_TRACE, dtype=dtype)
+        return torch.randn(T_TRACE, N_TRACE * S_TRACE, dtype=dtype)
 
     @property
     def fused_op(self) -> Any:
@@ -55,6 +68,9 @@ COLLAPSES = (
     Collapse("transformers", transformers_gated_mean, aten.mean.dim, gated_mean=True, literal_n=False),
     Collapse("atom", atom_gated_mean, aten.sum.dim_IntList, gated_mean=True, literal_n=True),
     Collapse("mhc", mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False),
+    Collapse(
+        "mhc_stacked", stacked_mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False, stacked=True
+    ),
 )
 
 
@@ -64,23 +80,36 @@ def stream_split(match: Match, collapse: Collapse, dtype: torch.dtype) -> tuple[
     gate_val, streams_val = gate.meta.get("val"), streams.meta.get("val")
     if not isinstance(gate_val, torch.Tensor) or not isinstance(streams_val, torch.Tensor):
         return None
-    splits = {split_streams(node) for node in matched(match, aten.reshape.default)}
-    if len(splits) != 1 or None in splits:
+    split = _stacked_split(streams_val) if collapse.stacked else _reshape_split(match)
+    if split is None:
         return None
-    ((n, hidden),) = splits
+    n, hidden = split
+    lead = streams_val.shape[: -2 if collapse.stacked else -1]  # the token dims
     gate_width = n * hidden if collapse.gated_mean else n
     gate_dtype = dtype if collapse.gated_mean else torch.float32
-    if streams_val.dtype != dtype or gate_val.dtype != gate_dtype or gate_val.dim() != 2:
+    if streams_val.dtype != dtype or gate_val.dtype != gate_dtype or gate_val.dim() != len(lead) + 1:
         return None
-    if gate_val.shape[1] != gate_width or not statically_known_true(gate_val.shape[0] == streams_val.shape[0]):
+    if gate_val.shape[-1] != gate_width or not same_sizes(gate_val.shape[:-1], lead):
         return None
-    if not all(reduces_dim(node, 3, -2) for node in matched(match, collapse.reduction)):
+    if not all(reduces_dim(node, len(lead) + 2, -2) for node in matched(match, collapse.reduction)):
         return None
-    if not all(reduces_dim(node, 2, -1) for node in matched(match, aten.amax.default)):
+    if not all(reduces_dim(node, len(lead) + 1, -1) for node in matched(match, aten.amax.default)):
         return None
     if collapse.literal_n and match.kwargs.get("n") != n:
         return None
     return n, hidden
+
+
+def _reshape_split(match: Match) -> tuple[int, int] | None:
+    splits = {split_streams(node) for node in matched(match, aten.reshape.default)}
+    return next(iter(splits)) if len(splits) == 1 and None not in splits else None
+
+
+def _stacked_split(streams: torch.Tensor) -> tuple[int, int] | None:
+    if streams.dim() < 3:
+        return None
+    n, hidden = streams.shape[-2], streams.shape[-1]
+    return (n, hidden) if isinstance(n, int) and isinstance(hidden, int) else None
 
 
 def search_fns(collapse: Collapse) -> dict[str, Callable[..., Any]]:
@@ -103,7 +132,8 @@ class FoundCollapse:
 
     ``root``: the node computing x (the mean / sum, or the fused op); ``outputs``: the nodes that hold its
     results (x, or the fused op's getitems); ``streams``: the normed streams xn (gated mean) or the raw
-    streams h (mHC); ``gate``: u or w; ``normed``: whether ``streams`` is a norm of the stream value.
+    streams h (mHC), as the model holds them (before the fusion's flattening reshape); ``gate``: u or w;
+    ``normed``: whether ``streams`` is a norm of the stream value.
     """
 
     root: fx.Node
@@ -156,10 +186,21 @@ class CollapseFinder:
 
 
 def _fused(node: fx.Node) -> FoundCollapse:
-    streams, gate, n = node.args[0], node.args[1], node.args[2]
+    streams, gate, n = _unflattened(node.args[0]), _unflattened(node.args[1]), node.args[2]
     assert isinstance(streams, fx.Node) and isinstance(gate, fx.Node) and isinstance(n, int)
     outputs = tuple(user for user in node.users)
     return FoundCollapse(node, outputs, gate, streams, n, normed=node.target is FUSED_GATED_MEAN)
+
+
+def _unflattened(arg: Any) -> Any:
+    """What the model held before the fusion flattened it to the fused op's 2-D ``[tokens, width]``."""
+    if not isinstance(arg, fx.Node) or arg.target not in (aten.reshape.default, aten.view.default):
+        return arg
+    source, out = arg.args[0], arg.meta.get("val")
+    source_val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if isinstance(source_val, torch.Tensor) and isinstance(out, torch.Tensor) and source_val.dim() > 2 == out.dim():
+        return source
+    return arg
 
 
 def traced_patterns(kind: str) -> Iterator[tuple[Collapse, torch.dtype, PatternExpr]]:
@@ -167,7 +208,7 @@ def traced_patterns(kind: str) -> Iterator[tuple[Collapse, torch.dtype, PatternE
     for collapse in COLLAPSES:
         scalars = {"n": N_TRACE} if collapse.literal_n else None
         for dtype in ACTIVATION_DTYPES:
-            examples = [collapse.gate_example(dtype), torch.randn(T_TRACE, N_TRACE * S_TRACE, dtype=dtype)]
+            examples = [collapse.gate_example(dtype), collapse.streams_example(dtype)]
             yield collapse, dtype, trace_pattern(search_fns(collapse)[kind], examples, ["gate", "streams"], scalars)
 
 

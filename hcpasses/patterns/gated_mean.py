@@ -6,11 +6,14 @@ pattern (``hcpasses.patterns.tracing``). They must be written exactly as model c
 - ``transformers_gated_mean``: Qwen3.8-Flash-Next in transformers (``Qwen4ExpTextGatedResidual``):
   sigmoid and product in the activation dtype, ``mean`` over the stream dim.
 - ``atom_gated_mean``: ATOM's port: fp32 inside, sum over streams, divide by n, one rounding.
-- ``mhc_collapse``: DeepSeek-V4 mHC (``DeepseekV4HyperConnection``): scalar gate per stream, fp32 sum,
+- ``mhc_collapse``: DeepSeek-V4 mHC on flat streams (our ``models.mhc``): scalar gate per stream, fp32 sum,
   one rounding.
+- ``stacked_mhc_collapse``: the same collapse as transformers' ``DeepseekV4HyperConnection`` writes it, on
+  streams kept stacked as ``[..., n, S]``.
 - ``per_token_quant``: PTPC-FP8 activation quant (vLLM's convention, DESIGN §5).
 
-Streams are ``[T, n*S]`` stream-major (stream s is columns ``s*S:(s+1)*S``).
+Streams are ``[..., n*S]`` stream-major (stream s is columns ``s*S:(s+1)*S``) or stacked ``[..., n, S]``;
+the leading dims are the tokens (``[T]`` in vLLM-style models, ``[batch, seq]`` in transformers).
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ def atom_gated_mean(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> t
 def mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
     """``sum_s w_s * h_s`` with a scalar fp32 gate ``w [T, n]`` per stream, one rounding."""
     return (w.unsqueeze(-1) * h.unflatten(-1, (n, hidden))).sum(-2).to(h.dtype)
+
+
+def stacked_mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """``sum_s w_s * h_s`` over stacked streams ``h [..., n, S]`` with fp32 gates ``w [..., n]``, one rounding."""
+    return (w.unsqueeze(-1) * h).sum(-2).to(h.dtype)
 
 
 def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import Match, PatternExpr, fwd_only, fx_to_pattern
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.immutable_collections import immutable_list
 
 aten = torch.ops.aten
@@ -58,17 +59,21 @@ def static_int(value: Any) -> int | None:
 
 
 def split_streams(reshape: fx.Node) -> tuple[int, int] | None:
-    """``(n, S)`` when ``reshape`` turns a 2-D ``[T, n*S]`` tensor into ``[T, n, S]`` with static n, S."""
+    """``(n, S)`` when ``reshape`` turns ``[..., n*S]`` into ``[..., n, S]`` (same leading dims, static n, S)."""
     source, sizes = reshape.args[0], reshape.args[1]
-    if not isinstance(source, fx.Node) or not isinstance(sizes, (list, tuple)) or len(sizes) != 3:
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(sizes, (list, tuple)) or len(sizes) != val.dim() + 1:
         return None
-    n, hidden = static_int(sizes[1]), static_int(sizes[2])
-    val = source.meta.get("val")
-    if n is None or hidden is None or not isinstance(val, torch.Tensor) or val.dim() != 2:
+    out = reshape.meta.get("val")
+    n, hidden = static_int(sizes[-2]), static_int(sizes[-1])
+    if n is None or hidden is None or not isinstance(out, torch.Tensor) or static_int(val.shape[-1]) != n * hidden:
         return None
-    if static_int(val.shape[1]) != n * hidden:
-        return None
-    return n, hidden
+    return (n, hidden) if same_sizes(out.shape[:-2], val.shape[:-1]) else None
+
+
+def same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two shapes are provably equal (ints or SymInts)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b, strict=True))
 
 
 def reduces_dim(node: fx.Node, ndim: int, dim: int) -> bool:
