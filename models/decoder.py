@@ -3,9 +3,15 @@
 Activations are ``[T, hidden]``: the T tokens are one causal sequence (batch 1, flattened, vLLM style).
 Attention and MLP are Megatron-sharded (column-parallel in, row-parallel out plus an all-reduce); the
 embedding, HC blocks, PLE layer, final norm and lm_head are replicated (DESIGN §3).
+
+Incremental decoding: ``HCDecoder.step(input_ids, cache)`` runs new tokens after the ``L`` already in a
+:data:`DecoderCache` (explicit tensors in and out, so a step can be compiled) and returns the grown cache;
+:func:`truncate_cache` rolls rejected tokens back.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +28,9 @@ PLE_DILATION = 3
 PLE_LEFT_PAD = (PLE_KERNEL - 1) * PLE_DILATION
 
 
-def rope_tables(n_tokens: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``cos|sin`` stacked ``[2, T, head_dim]`` for positions ``0..T-1`` (rotate-half layout)."""
-    pos = torch.arange(n_tokens, device=device, dtype=torch.float32)
+def rope_tables(n_tokens: int, head_dim: int, device: torch.device, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
+    """``cos|sin`` stacked ``[2, T, head_dim]`` for positions ``start..start+T-1`` (rotate-half layout)."""
+    pos = torch.arange(start, start + n_tokens, device=device, dtype=torch.float32)
     inv_freq = ROPE_BASE ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     freqs = torch.outer(pos, inv_freq)
     angles = torch.cat([freqs, freqs], dim=-1)
@@ -65,17 +71,43 @@ class Attention(nn.Module):
             tp_size=tp_size,
         )
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """``x [T, S] -> [T, S]`` (all-reduced)."""
+    def heads(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's rotated ``q [H, T, D]``, rotated ``k [H_kv, T, D]`` and ``v [H_kv, T, D]`` of ``x [T, S]``."""
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
         q = apply_rope(q.unflatten(-1, (self.n_heads, self.head_dim)).transpose(0, 1), rope)
         k = apply_rope(k.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(0, 1), rope)
         v = v.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """GQA attention of ``q [H, T, D]`` over ``k, v [H_kv, L, D]`` -> ``[T, S]`` (all-reduced).
+
+        ``mask [T, L]`` (True: attend) or None for plain causal attention with ``L == T``.
+        """
         group = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.o_proj(out.transpose(0, 1).flatten(-2))
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """``x [T, S] -> [T, S]`` (all-reduced)."""
+        return self.attend(*self.heads(x, rope), None)
+
+    def step(
+        self, x: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """New tokens ``x [T, S]`` at positions ``L..L+T-1`` after a cache of L keys and values.
+
+        Returns ``(y [T, S], k [H_kv, L+T, D], v [H_kv, L+T, D])``; ``rope`` must be for the same positions.
+        """
+        q, k, v = self.heads(x, rope)
+        k, v = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
+        past, total = k_cache.shape[1], k.shape[1]
+        # SDPA's is_causal aligns the mask top-left; new tokens sit at the bottom-right of [T, L+T].
+        query_pos = torch.arange(past, total, device=x.device).unsqueeze(-1)
+        mask = torch.arange(total, device=x.device) <= query_pos
+        return self.attend(q, k, v, mask), k, v
 
 
 class MLP(nn.Module):
@@ -117,12 +149,73 @@ class PLELayer(nn.Module):
             cfg.seed, f"{name}.conv_weight", (cfg.hidden, 1, PLE_KERNEL), PLE_KERNEL**-0.5, cfg.dtype
         )
 
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """``h [T, n*S] -> [T, n*S]``; row t depends on rows t, t-3, t-6, t-9."""
-        z = h.unflatten(-1, (self.n, self.hidden)).mean(-2) + F.embedding(input_ids, self.embedding)
-        padded = F.pad(z.t().unsqueeze(0), (PLE_LEFT_PAD, 0))
+    def conv_input(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``z = mean_s(h_s) + E[ids]``, ``[T, S]``: the rows the conv runs over."""
+        return h.unflatten(-1, (self.n, self.hidden)).mean(-2) + F.embedding(input_ids, self.embedding)
+
+    def add_conv(self, h: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+        """``h + conv(padded)`` on every stream; ``padded [1, S, PLE_LEFT_PAD + T]`` holds the conv input."""
         conv = F.conv1d(padded, self.conv_weight, dilation=PLE_DILATION, groups=self.hidden)
         return h + conv.squeeze(0).t().repeat(1, self.n)
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``h [T, n*S] -> [T, n*S]``; row t depends on rows t, t-3, t-6, t-9."""
+        padded = F.pad(self.conv_input(h, input_ids).t().unsqueeze(0), (PLE_LEFT_PAD, 0))
+        return self.add_conv(h, padded)
+
+    def step(self, h: torch.Tensor, input_ids: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New rows after a conv window (the conv input rows ``[W >= PLE_LEFT_PAD, S]`` that end where h starts).
+
+        Returns ``(h', window')`` with ``window' = [last PLE_LEFT_PAD rows of window; z]``: ``PLE_LEFT_PAD + T``
+        rows, so that :func:`truncate_cache` can roll back up to T of them.
+        """
+        window = torch.cat([window[window.shape[0] - PLE_LEFT_PAD :], self.conv_input(h, input_ids)])
+        return self.add_conv(h, window.t().unsqueeze(0)), window
+
+
+class LayerCache(NamedTuple):
+    """One decoder layer's decode state after L tokens (positions ``0..L-1``).
+
+    ``k``, ``v``: this rank's rotated keys and values ``[n_kv_heads/tp, L, head_dim]``. ``conv``: the PLE
+    layer's last conv input rows ``[W, S]`` (``W >= PLE_LEFT_PAD``, ending at position L; rows before
+    position 0 are zero, the conv's own padding), or None in a layer without PLE.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    conv: torch.Tensor | None
+
+
+DecoderCache = tuple[LayerCache, ...]  # one LayerCache per layer
+
+
+def cache_length(cache: DecoderCache) -> int:
+    """L: how many tokens the cache holds, which is also the position of the next token."""
+    return cache[0].k.shape[1]
+
+
+def truncate_cache(cache: DecoderCache, length: int) -> DecoderCache:
+    """The cache after only the first ``length`` tokens: rolls back rejected tokens.
+
+    A PLE conv window can roll back at most the tokens of the step that made it (its rows beyond the
+    last ``PLE_LEFT_PAD``); the result keeps exactly ``PLE_LEFT_PAD`` rows.
+    """
+    drop = cache_length(cache) - length
+    if drop < 0 or length < 0:
+        raise ValueError(f"cannot truncate a cache of {cache_length(cache)} tokens to {length}")
+    return tuple(
+        LayerCache(layer.k[:, :length], layer.v[:, :length], _roll_back_window(layer.conv, drop)) for layer in cache
+    )
+
+
+def _roll_back_window(window: torch.Tensor | None, drop: int) -> torch.Tensor | None:
+    """The ``PLE_LEFT_PAD`` rows of a conv window that end ``drop`` rows before its end."""
+    if window is None:
+        return None
+    end = window.shape[0] - drop
+    if end < PLE_LEFT_PAD:
+        raise ValueError(f"a PLE conv window of {window.shape[0]} rows cannot roll back {drop} tokens")
+    return window[end - PLE_LEFT_PAD : end]
 
 
 class HCDecoderLayer(nn.Module):
@@ -145,6 +238,27 @@ class HCDecoderLayer(nn.Module):
         h = self.attn_hc.combine(h, self.attn(x, rope), logits)
         x, logits = self.mlp_hc.mix(h)
         return self.mlp_hc.combine(h, self.mlp(x), logits)
+
+    def step(
+        self, h: torch.Tensor, input_ids: torch.Tensor, rope: torch.Tensor, cache: LayerCache
+    ) -> tuple[torch.Tensor, LayerCache]:
+        """:meth:`forward` on new rows after the tokens in ``cache``; returns the streams and the grown cache."""
+        window = cache.conv
+        if self.ple is not None:
+            h, window = self.ple.step(h, input_ids, cache.conv)
+        x, logits = self.attn_hc.mix(h)
+        y, k, v = self.attn.step(x, rope, cache.k, cache.v)
+        h = self.attn_hc.combine(h, y, logits)
+        x, logits = self.mlp_hc.mix(h)
+        return self.mlp_hc.combine(h, self.mlp(x), logits), LayerCache(k, v, window)
+
+    def empty_cache(self, device: torch.device, dtype: torch.dtype) -> LayerCache:
+        """The cache before the first token: no keys, and a zero PLE window (the conv's left padding)."""
+        kv = torch.zeros(self.attn.n_kv_heads, 0, self.attn.head_dim, device=device, dtype=dtype)
+        window = None
+        if self.ple is not None:
+            window = torch.zeros(PLE_LEFT_PAD, self.ple.hidden, device=device, dtype=dtype)
+        return LayerCache(kv, kv.clone(), window)
 
 
 class HCDecoder(nn.Module):
@@ -187,8 +301,31 @@ class HCDecoder(nn.Module):
         rope = rope_tables(input_ids.shape[0], cfg.head_dim, h.device, h.dtype)
         for layer in self.layers:
             h = layer(h, input_ids, rope)
-        x = grouped_rms_norm(self.final_mixer(h), self.final_norm_weight, cfg.hidden, cfg.eps)
-        logits = F.linear(x, self.lm_head)
+        logits = self.logits(h)
         if return_hc_state:
             return logits, h.unflatten(-1, (cfg.n_streams, cfg.hidden))
         return logits
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's end: final mixer, final norm and lm_head, ``h [T, n*S] -> [T, vocab]``."""
+        x = grouped_rms_norm(self.final_mixer(h), self.final_norm_weight, self.cfg.hidden, self.cfg.eps)
+        return F.linear(x, self.lm_head)
+
+    def step(self, input_ids: torch.Tensor, cache: DecoderCache) -> tuple[torch.Tensor, torch.Tensor, DecoderCache]:
+        """New tokens ``input_ids [T]`` after the L tokens in ``cache`` (positions ``L..L+T-1``).
+
+        Returns ``(logits [T, vocab], state [T, n, S], cache of L+T tokens)``: what
+        ``forward(all ids, return_hc_state=True)`` gives for the new rows. Layers must have ``step``.
+        """
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed).repeat(1, cfg.n_streams)
+        rope = rope_tables(input_ids.shape[0], cfg.head_dim, h.device, h.dtype, start=cache_length(cache))
+        grown = []
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            h, layer_cache = layer.step(h, input_ids, rope, layer_cache)
+            grown.append(layer_cache)
+        return self.logits(h), h.unflatten(-1, (cfg.n_streams, cfg.hidden)), tuple(grown)
+
+    def empty_cache(self) -> DecoderCache:
+        """The cache before the first token, on the model's device."""
+        return tuple(layer.empty_cache(self.embed.device, self.embed.dtype) for layer in self.layers)
