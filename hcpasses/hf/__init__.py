@@ -1,5 +1,6 @@
 """transformers HC models (qwen4_exp, deepseek_v4) through hcpasses: tiny builders and model-side tooling."""
 
+from hcpasses.hf.fp8_swap import is_sublayer_input_projection, swap_fp8_linears
 from hcpasses.hf.tiny import tiny_deepseek_v4, tiny_qwen4_exp
 
-__all__ = ["tiny_deepseek_v4", "tiny_qwen4_exp"]
+__all__ = ["is_sublayer_input_projection", "swap_fp8_linears", "tiny_deepseek_v4", "tiny_qwen4_exp"]
