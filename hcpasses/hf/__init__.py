@@ -2,5 +2,6 @@
 
 from hcpasses.hf.fp8_swap import is_sublayer_input_projection, swap_fp8_linears
 from hcpasses.hf.tiny import tiny_deepseek_v4, tiny_qwen4_exp
+from hcpasses.hf.tp_shard import shard_for_tp
 
-__all__ = ["is_sublayer_input_projection", "swap_fp8_linears", "tiny_deepseek_v4", "tiny_qwen4_exp"]
+__all__ = ["is_sublayer_input_projection", "shard_for_tp", "swap_fp8_linears", "tiny_deepseek_v4", "tiny_qwen4_exp"]
