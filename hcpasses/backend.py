@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
@@ -50,9 +51,9 @@ def _input_signature(value: Any) -> str:
     return repr(value)
 
 
-def token_position(gm: fx.GraphModule, symbol: str) -> tuple[int, int | None] | None:
-    """Where the runtime token count T is: ``(input index, None)`` for an int input, ``(index, dim)`` for
-    a tensor input with T at ``dim``; ``None`` if no Dynamo graph input carries ``symbol``."""
+def symbol_position(gm: fx.GraphModule, symbol: str) -> tuple[int, int | None] | None:
+    """Where the runtime value of a size symbol is: ``(input index, None)`` for an int input,
+    ``(index, dim)`` for a tensor input with it at ``dim``; ``None`` if no Dynamo graph input carries it."""
     values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
     for index, value in enumerate(values):
         if isinstance(value, torch.SymInt) and str(value) == symbol:
@@ -65,24 +66,47 @@ def token_position(gm: fx.GraphModule, symbol: str) -> tuple[int, int | None] | 
     return None
 
 
+class TokenCount:
+    """The runtime token count N of a graph: an expression in size symbols (``s0``, or ``s0*s1`` for
+    batch x seq), each read from where the graph's inputs carry it."""
+
+    def __init__(self, expression: str, positions: dict[str, tuple[int, int | None]]) -> None:
+        self.expression = expression
+        parsed = sympy.sympify(expression)
+        symbols = sorted(parsed.free_symbols, key=str)
+        self.positions = [positions[str(symbol)] for symbol in symbols]
+        self._evaluate = sympy.lambdify(symbols, parsed)
+
+    @classmethod
+    def find(cls, gm: fx.GraphModule, expression: str) -> TokenCount | None:
+        """The token count of ``gm``, or None when one of its symbols is not among the graph inputs."""
+        positions = {}
+        for symbol in sympy.sympify(expression).free_symbols:
+            position = symbol_position(gm, str(symbol))
+            if position is None:
+                return None
+            positions[str(symbol)] = position
+        return cls(expression, positions)
+
+    def __call__(self, args: Sequence[Any]) -> int:
+        values = [int(args[i]) if dim is None else int(args[i].shape[dim]) for i, dim in self.positions]
+        return int(self._evaluate(*values))
+
+
 class TokenDispatch:
-    """Runs the sharded graph for T >= ``min_tokens`` and the unsharded one below (DESIGN §4)."""
+    """Runs the sharded graph for N >= ``min_tokens`` and the unsharded one below (DESIGN §4)."""
 
     def __init__(
         self,
         sharded: Callable[..., Any],
         unsharded: Callable[..., Any],
-        position: tuple[int, int | None],
+        tokens: TokenCount,
         min_tokens: int,
     ) -> None:
         self.sharded, self.unsharded = sharded, unsharded
-        self.index, self.dim = position
+        self.tokens = tokens
         self.min_tokens = min_tokens
         self.calls = {"sharded": 0, "unsharded": 0}  # how often each variant ran, for reports and tests
-
-    def tokens(self, args: Sequence[Any]) -> int:
-        value = args[self.index]
-        return int(value) if self.dim is None else int(value.shape[self.dim])
 
     def __call__(self, *args: Any) -> Any:
         variant = "sharded" if self.tokens(args) >= self.min_tokens else "unsharded"
@@ -134,8 +158,8 @@ class HCPassesBackend:
         symbol: str,
     ) -> Callable[..., Any]:
         """With symbolic T the sharded graph is correct for every T; small T (decode) runs unsharded."""
-        position = token_position(gm, symbol)
-        if position is None:
+        tokens = TokenCount.find(gm, symbol)
+        if tokens is None:
             log.warning("hcpasses: cannot find the token count %s among the graph inputs; always sharded", symbol)
             return sharded
         for report in reports:
@@ -143,7 +167,7 @@ class HCPassesBackend:
         unsharded, _ = self._compile(
             gm, example_inputs, self.unsharded_manager, "unsharded", cudagraphs=self.config.cudagraphs
         )
-        dispatch = TokenDispatch(sharded, unsharded, position, self.config.sp_min_tokens)
+        dispatch = TokenDispatch(sharded, unsharded, tokens, self.config.sp_min_tokens)
         self.dispatchers.append(dispatch)
         return dispatch
 

@@ -1,11 +1,18 @@
-"""``torch.ops.hcpasses.shard_rows``: this rank's rows of a replicated tensor, padded to ceil(T/tp).
+"""``torch.ops.hcpasses.shard_rows``: this rank's token rows of a replicated tensor, padded to ceil(N/tp).
+
+The first ``token_dims`` dims of ``x`` hold the N tokens (``[T, ...]``, or ``[batch, seq, ...]`` with
+``token_dims=2``: token i is row i of ``x`` flattened over those dims). The shard keeps the rank of
+``x``: its token dims become ``[1, ..., 1, R]``, so every op written for the full tensor (reductions and
+reshapes addressed by dim) still applies to the shard.
 
 Slice first, then pad only the slice (padding the whole tensor first cost 2.5 GiB per rank at 131k
 tokens in the seed). Pad rows are zeros. A custom op rather than slice + pad in ATen: its fake impl
-states the padded size ``ceil(T/tp)`` directly, which the SP pass needs for symbolic T.
+states the padded size ``ceil(N/tp)`` directly, which the SP pass needs for symbolic sizes.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -15,18 +22,27 @@ def rows_per_rank(tokens: int, world_size: int) -> int:
     return (tokens + world_size - 1) // world_size
 
 
+def shard_shape(shape: torch.Size, token_dims: int, world_size: int) -> list:
+    """The shape of a shard: token dims ``[1, ..., 1, R]``, the other dims unchanged."""
+    rows = rows_per_rank(math.prod(shape[:token_dims]), world_size)
+    return [*([1] * (token_dims - 1)), rows, *shape[token_dims:]]
+
+
 @torch.library.custom_op("hcpasses::shard_rows", mutates_args=())
-def shard_rows(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rows ``[rank*R, (rank+1)*R)`` of ``x`` (R = ceil(T/world_size)), zero-padded to R rows."""
+def shard_rows(x: torch.Tensor, rank: int, world_size: int, token_dims: int = 1) -> torch.Tensor:
+    """Token rows ``[rank*R, (rank+1)*R)`` of ``x`` (R = ceil(N/world_size)), zero-padded to R rows."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"shard_rows: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    rows = rows_per_rank(x.shape[0], world_size)
-    piece = x[rank * rows : (rank + 1) * rows]
-    out = x.new_zeros((rows, *x.shape[1:]))
+    if not 1 <= token_dims <= x.dim():
+        raise ValueError(f"shard_rows: token_dims must be in [1, {x.dim()}] for a {x.dim()}-D tensor, got {token_dims}")
+    flat = x.flatten(0, token_dims - 1)
+    rows = rows_per_rank(flat.shape[0], world_size)
+    piece = flat[rank * rows : (rank + 1) * rows]
+    out = flat.new_zeros((rows, *flat.shape[1:]))
     out[: piece.shape[0]] = piece
-    return out
+    return out.view(shard_shape(x.shape, token_dims, world_size))
 
 
 @shard_rows.register_fake
-def _(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    return x.new_empty((rows_per_rank(x.shape[0], world_size), *x.shape[1:]))
+def _(x: torch.Tensor, rank: int, world_size: int, token_dims: int = 1) -> torch.Tensor:
+    return x.new_empty(shard_shape(x.shape, token_dims, world_size))

@@ -4,7 +4,7 @@ Before (every rank computes the HC work of all T tokens)::
 
     h[T,nS] -> mix -> x[T,S] -> sub-layer shard -> p[T,S] -> all_reduce -> y[T,S] -> combine(h, y) -> h'[T,nS]
 
-After (rank r works on its R = ceil(T/tp) rows; rows padded with zeros up to R)::
+After (rank r works on its R = ceil(T/tp) token rows; rows padded with zeros up to R)::
 
     hs = shard_rows(h, r, tp)[R,nS] -> mix -> x[R,S] -> all_gather, trim -> x[T,S] -> sub-layer shard
        -> p[T,S] -> pad to R*tp rows -> reduce_scatter -> y[R,S] -> combine(hs, y) -> h'[R,nS] -> next mix ...
@@ -21,9 +21,13 @@ How the region is found:
   all-reduces that feed later HC blocks, without passing through a collapse (the sub-layer starts
   there) or an all-reduce, and that leads to a later collapse. Values the region computes but others
   use (the sub-layer input, the final mixer output, a returned HC state) are gathered.
-- Every region node must be row-local over token dim 0 (pointwise, reductions over other dims,
-  views that keep dim 0, ``mm`` with a weight, ``bmm`` batched over tokens, the fused collapse ops), and
-  every operand from outside
+- Tokens are the leading dims of a value: ``[T, ...]`` (vLLM style) or ``[batch, seq, ...]``
+  (transformers); token i is row i of the value flattened over them. N = batch*seq is what is sharded;
+  a shard keeps the rank, its token dims become ``[1, ..., 1, R]``, so the model's dim-addressed ops
+  still apply. Each value's token dims are the shortest leading dims whose sizes multiply to N.
+- Every region node must be row-local (pointwise, reductions over non-token dims, views and permutes
+  that keep the token dims in front, ``mm`` with a weight, ``bmm`` batched over tokens, the fused
+  collapse ops), and every operand from outside
   the region must carry no tokens: a weight or constant broadcast over rows, or the right-hand side of
   an HC GEMM. Weights in a mix or combine are HC weights, replicated by construction. An ``mm`` is
   accepted only on the way to a collapse gate, so a TP-sharded projection can never land in the region.
@@ -39,6 +43,7 @@ after the region start. Otherwise the graph is left untouched and the report say
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Iterable
 from typing import Any
@@ -154,9 +159,30 @@ def stream_value(collapse: FoundCollapse) -> fx.Node:
 
 
 def _has_rows_like(node: fx.Node, reference: fx.Node) -> bool:
-    """Whether ``node`` is a tensor whose dim 0 has the token count of ``reference``."""
+    """Whether ``node`` is a tensor with at least the dims of ``reference`` and its leading (token) sizes."""
     val, ref = _val(node), _val(reference)
-    return isinstance(val, torch.Tensor) and val.dim() >= 1 and _same(val.shape[0], ref.shape[0])
+    if not isinstance(val, torch.Tensor) or val.dim() < ref.dim():
+        return False
+    lead = token_dims(ref, math.prod(ref.shape[:-1]))  # the streams' token dims: all but the last
+    return lead is not None and all(_same(a, b) for a, b in zip(val.shape[:lead], ref.shape[:lead], strict=True))
+
+
+def token_dims(val: Any, tokens: Any) -> int | None:
+    """How many leading dims of ``val`` hold the ``tokens`` rows (their sizes multiply to it), or None."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    count: Any = 1
+    for k, size in enumerate(val.shape, start=1):
+        count = count * size
+        if _same(count, tokens):
+            return k
+    return None
+
+
+def collapse_tokens(collapse: FoundCollapse) -> Any:
+    """The token count N of a collapse: its output x is ``[tokens..., S]``."""
+    x = _first_tensor(_val(collapse.root))
+    return math.prod(x.shape[:-1])
 
 
 class _RegionBuilder:
@@ -180,9 +206,20 @@ class _RegionBuilder:
         wanted = ancestors(c.root for c in collapses) | stops
         region = {node for node in reached if node in wanted}
         gates = _feeders({c.gate for c in collapses}, region)
+        for node in [start, *(wait for _, wait in reduces)]:
+            self._check_rows(node)
         for node in sorted(region, key=_order(self.graph).__getitem__):
             self.check(node, region | live, gates)
         return region
+
+    def dims(self, node: fx.Node) -> int:
+        """How many leading dims of ``node``'s value hold the tokens."""
+        val = _first_tensor(_val(node))
+        k = token_dims(val, self.tokens)
+        if k is None:
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else val
+            raise NotRowLocal(node, f"{shape} does not lead with the {self.tokens} tokens")
+        return k
 
     def check(self, node: fx.Node, sharded: set[fx.Node], gates: set[fx.Node]) -> None:
         self._check_rows(node)
@@ -195,45 +232,60 @@ class _RegionBuilder:
     def _check_rows(self, node: fx.Node) -> None:
         vals = _val(node)
         for val in vals if isinstance(vals, (list, tuple)) else (vals,):
-            if isinstance(val, torch.Tensor) and (val.dim() == 0 or not _same(val.shape[0], self.tokens)):
-                raise NotRowLocal(node, f"result {tuple(val.shape)} does not keep the {self.tokens} token rows")
+            if not isinstance(val, torch.Tensor):
+                continue
+            k = token_dims(val, self.tokens)
+            if k is None:
+                raise NotRowLocal(node, f"result {tuple(val.shape)} does not lead with the {self.tokens} tokens")
+            if k > 1 and not all(isinstance(size, int) for size in val.shape[k:]):
+                raise NotRowLocal(node, f"result {tuple(val.shape)} has symbolic sizes after its token dims")
 
     def _check_op(self, node: fx.Node, gates: set[fx.Node]) -> None:
         target = node.target
         if target in SIZE_OPS:
-            if not self._is_tokens(node.args[1][0]):
-                raise NotRowLocal(node, "its size does not keep the token dim first")
+            self._check_resize(node)
         elif target in DIM_OPS:
             position, default = DIM_OPS[target]
             dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
-            ndim = _val(node.args[0][0] if target is aten.cat.default else node.args[0]).dim()
-            ndim += target is aten.unsqueeze.default  # unsqueeze's dim indexes its output
-            if not isinstance(dim, int) or dim % max(ndim, 1) == 0:
-                raise NotRowLocal(node, f"works along dim {dim}, the token dim")
+            source = node.args[0][0] if target is aten.cat.default else node.args[0]
+            ndim = _val(source).dim() + (target is aten.unsqueeze.default)  # unsqueeze's dim indexes its output
+            if not isinstance(dim, int) or dim % max(ndim, 1) < self.dims(source):
+                raise NotRowLocal(node, f"works along dim {dim}, a token dim")
         elif target is aten.permute.default:
-            if node.args[1][0] % len(node.args[1]) != 0:
-                raise NotRowLocal(node, "moves the token dim")
+            k = self.dims(node.args[0])
+            if [d % len(node.args[1]) for d in node.args[1][:k]] != list(range(k)):
+                raise NotRowLocal(node, "moves a token dim")
         elif target in REDUCTIONS:
             ndim = _val(node.args[0]).dim()
             dims = node.args[1] if len(node.args) > 1 else None
-            if not dims or any(d % ndim == 0 for d in dims):
-                raise NotRowLocal(node, "reduces over the token dim")
+            if not dims or any(d % ndim < self.dims(node.args[0]) for d in dims):
+                raise NotRowLocal(node, "reduces over a token dim")
         elif target is aten.mm.default:
             if node not in gates:
                 raise NotRowLocal(node, "a GEMM that does not feed an HC collapse gate (its weight may be sharded)")
+        elif target is aten.bmm.default:  # batched over tokens (mHC's per-token comb @ streams); operands checked
+            if self.dims(node) != 1:
+                raise NotRowLocal(node, "a batched GEMM whose batch dim is not the tokens")
         elif not (
-            target is aten.bmm.default  # batched over tokens (mHC's per-token comb @ streams); operands checked
-            or target in ELEMENTWISE
+            target in ELEMENTWISE
             or target in FUSED_COLLAPSES
             or target is operator.getitem
             or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
         ):
             raise NotRowLocal(node, "not known to be row-local")
 
-    def _is_tokens(self, size: Any) -> bool:
-        if isinstance(size, fx.Node):
-            return _same(_val(size), self.tokens)
-        return isinstance(size, int) and _same(size, self.tokens)
+    def _check_resize(self, node: fx.Node) -> None:
+        """A reshape may merge or split the token dims (token order is row-major either way); an expand
+        must leave them as they are."""
+        source = node.args[0]
+        self.dims(source)
+        if node.target is aten.expand.default:
+            k_in, k_out = self.dims(source), self.dims(node)
+            same = k_in == k_out and all(
+                _same(a, b) for a, b in zip(_val(source).shape[:k_in], _val(node).shape[:k_out], strict=True)
+            )
+            if not same:
+                raise NotRowLocal(node, "expands a token dim")
 
     def _check_operand(self, node: fx.Node, position: int, operand: fx.Node) -> None:
         if operand in self.token_carriers:
@@ -241,9 +293,11 @@ class _RegionBuilder:
         val, out = _val(operand), _first_tensor(_val(node))
         if node.target is aten.mm.default and position == 1:
             return  # the weight of an HC GEMM (mm is only accepted on the way to a collapse gate)
-        broadcast = val.dim() < out.dim() or (val.dim() == out.dim() and _same(val.shape[0], 1))
-        if not broadcast:
-            raise NotRowLocal(node, f"operand {operand.name} {tuple(val.shape)} is not broadcast over rows")
+        # Broadcasting aligns dims from the right: the operand's dims under the token dims must be 1.
+        offset = out.dim() - val.dim()
+        under_tokens = [val.shape[i - offset] for i in range(self.dims(node)) if i >= offset]
+        if offset < 0 or not all(_same(size, 1) for size in under_tokens):
+            raise NotRowLocal(node, f"operand {operand.name} {tuple(val.shape)} is not broadcast over the tokens")
 
 
 def _feeders(gates: set[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
@@ -311,7 +365,7 @@ class SPRewrite(GraphPass):
     ) -> tuple[Region, Any]:
         order = _order(graph)
         sources = [stream_value(c) for c in collapses]
-        tokens = _val(sources[0]).shape[0]
+        tokens = collapse_tokens(collapses[0])
         carriers = descendants(
             graph,
             [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)] + [a for a, _ in reduces],
@@ -362,32 +416,76 @@ class _Rewriter:
     def __init__(self, graph: fx.Graph, region: Region, tokens: Any, rank: int, tp: int) -> None:
         self.graph, self.region, self.rank, self.tp = graph, region, rank, tp
         self.group = region.reduces[0][0].args[2]
+        self.token_count = tokens  # N as an int or a SymInt expression
+        # Token dims of every value the rewrite touches, read off the unsharded shapes before any change
+        # (the analysis has checked that each has them).
+        touched = [region.start, *region.nodes, *(ar.args[0] for ar, _ in region.reduces)]
+        self.dims: dict[fx.Node, int] = {node: token_dims(_first_tensor(_val(node)), tokens) for node in touched}
+        self.start_sizes = self._start_sizes()
         self.tokens, self.rows = self._token_sizes(tokens)
 
+    def _insert(self, target: Any, args: tuple, after: fx.Node | None = None) -> fx.Node:
+        """A new node right after ``after`` (or at the current insertion point)."""
+        if after is None:
+            return self.graph.call_function(target, args)
+        with self.graph.inserting_after(after):
+            return self.graph.call_function(target, args)
+
+    def _start_sizes(self) -> list[Any]:
+        """The sizes of the start's token dims: ints, or ``sym_size`` nodes of the (unsharded) start."""
+        start, sizes, last = self.region.start, [], self.region.start
+        for dim, size in enumerate(_val(start).shape[: self.dims[start]]):
+            if isinstance(size, int):
+                sizes.append(size)
+            else:
+                last = self._insert(SYM_SIZE, (start, dim), after=last)
+                sizes.append(last)
+        self._last_size = last
+        return sizes
+
     def _token_sizes(self, tokens: Any) -> tuple[Any, Any]:
-        """T and R = ceil(T/tp) as ints, or as graph nodes computing them when T is symbolic."""
+        """N and R = ceil(N/tp) as ints, or as graph nodes computing them when N is symbolic."""
         if isinstance(tokens, int):
             return tokens, -(-tokens // self.tp)
-        with self.graph.inserting_after(self.region.start):
-            t_node = self.graph.call_function(SYM_SIZE, (self.region.start, 0))
-        with self.graph.inserting_after(t_node):
-            plus = self.graph.call_function(operator.add, (t_node, self.tp - 1))
-        with self.graph.inserting_after(plus):
-            rows = self.graph.call_function(operator.floordiv, (plus, self.tp))
-        return t_node, rows
+        count, *others = self.start_sizes
+        for size in others:
+            count = self._insert(operator.mul, (count, size), after=self._last_size)
+            self._last_size = count
+        plus = self._insert(operator.add, (count, self.tp - 1), after=self._last_size)
+        rows = self._insert(operator.floordiv, (plus, self.tp), after=plus)
+        return count, rows
+
+    def _size_of(self, expr: Any) -> Any:
+        """A token-dim size of some value, as an int or a node: one of the start's token sizes, or N."""
+        if isinstance(expr, int):
+            return expr
+        candidates = [
+            *zip(_val(self.region.start).shape, self.start_sizes, strict=False),
+            (self.token_count, self.tokens),
+        ]
+        for size, node in candidates:
+            if _same(expr, size):
+                return node
+        raise NotRowLocal(self.region.start, f"token size {expr} is neither N nor one of the start's sizes")
+
+    def _shard_sizes(self, node: fx.Node, sizes: list[Any]) -> list[Any]:
+        """``sizes`` of a value with the token dims of ``node`` replaced by ``[1, ..., 1, R]``."""
+        k = self.dims[node]
+        return [*([1] * (k - 1)), self.rows, *sizes[k:]]
 
     def apply(self) -> list[str]:
         region = self.region
         self._keep_token_sizes()
-        anchor = self.rows if isinstance(self.rows, fx.Node) else region.start
-        with self.graph.inserting_after(anchor):
-            shard = self.graph.call_function(torch.ops.hcpasses.shard_rows.default, (region.start, self.rank, self.tp))
+        anchor = self.rows if isinstance(self.rows, fx.Node) else self._last_size
+        shard = self._insert(
+            torch.ops.hcpasses.shard_rows.default, (region.start, self.rank, self.tp, self.dims[region.start]), anchor
+        )
         self._use_in_region(region.start, shard)
         for all_reduce, wait in region.reduces:
             self._reduce_scatter(all_reduce, wait)
         for node in region.nodes:
             if node.target in SIZE_OPS:
-                node.args = (node.args[0], [self.rows, *node.args[1][1:]], *node.args[2:])
+                node.args = (node.args[0], self._shard_sizes(node, list(node.args[1])), *node.args[2:])
         gathered = []
         for node in sorted(region.nodes, key=_order(self.graph).__getitem__):
             outside = [u for u in node.users if u not in region.nodes]
@@ -401,10 +499,15 @@ class _Rewriter:
         return gathered
 
     def _keep_token_sizes(self) -> None:
-        """``sym_size(v, 0)`` of a region value v is T; read it off the (unsharded) start instead."""
+        """``sym_size(v, d)`` of a token dim d of a region value v: read it off the unsharded start instead."""
         for node in list(self.graph.nodes):
-            if node.target is SYM_SIZE and node.args[0] in self.region.nodes and node.args[1] == 0:
-                node.args = (self.region.start, 0)
+            if node.target is SYM_SIZE and node.args[0] in self.region.nodes:
+                source, dim = node.args
+                if dim < self.dims[source]:
+                    size = self._size_of(_val(source).shape[dim])
+                    for user in list(node.users):
+                        user.args = fx.map_arg(user.args, lambda arg, old=node, new=size: new if arg is old else arg)
+                    self.graph.erase_node(node)
 
     def _use_in_region(self, old: fx.Node, new: fx.Node) -> None:
         """Region nodes read ``new`` where they read ``old``; everything else keeps ``old``."""
@@ -414,41 +517,54 @@ class _Rewriter:
 
     def _reduce_scatter(self, all_reduce: fx.Node, wait: fx.Node) -> None:
         partial = all_reduce.args[0]
+        shape = list(_val(partial).shape)
         with self.graph.inserting_before(all_reduce):
-            padded = self._pad_rows(partial)
+            flat = self._flatten_tokens(partial, self.dims[partial])
+            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
             scattered = self.graph.call_function(
                 c10d.reduce_scatter_tensor.default, (padded, "sum", self.tp, self.group)
             )
             new_wait = self.graph.call_function(WAIT, (scattered,))
-        self.region.nodes.add(new_wait)  # its users outside the region get a gather like any region value
-        wait.replace_all_uses_with(new_wait)
+            local = new_wait
+            if self.dims[partial] > 1:
+                local = self.graph.call_function(aten.reshape.default, (new_wait, self._shard_sizes(partial, shape)))
+        self.dims[local] = self.dims[partial]
+        self.region.nodes.add(local)  # its users outside the region get a gather like any region value
+        wait.replace_all_uses_with(local)
         self.graph.erase_node(wait)  # collectives are impure: dead-code elimination keeps them
         self.graph.erase_node(all_reduce)
 
-    def _pad_rows(self, partial: fx.Node) -> fx.Node:
+    def _flatten_tokens(self, node: fx.Node, k: int) -> fx.Node:
+        """``node`` reshaped to ``[tokens, rest...]`` (a no-op when it has one token dim)."""
+        if k == 1:
+            return node
+        rest = list(_val(node).shape[k:])  # ints: _check_rows rejects symbolic sizes after the token dims
+        return self.graph.call_function(aten.reshape.default, (node, [-1, *rest]))
+
+    def _pad_rows(self, flat: fx.Node, ndim: int) -> fx.Node:
+        """``flat [N, ...]`` (``ndim`` dims) padded with zero rows to ``[R*tp, ...]``."""
         if isinstance(self.tokens, int) and self.tokens % self.tp == 0:
-            return partial
+            return flat
         if isinstance(self.tokens, int):
             missing: Any = self.rows * self.tp - self.tokens
         else:
             total = self.graph.call_function(operator.mul, (self.rows, self.tp))
             missing = self.graph.call_function(operator.sub, (total, self.tokens))
-        pad = [0, 0] * (_val(partial).dim() - 1) + [0, missing]
-        return self.graph.call_function(aten.constant_pad_nd.default, (partial, pad, 0.0))
+        pad = [0, 0] * (ndim - 1) + [0, missing]
+        return self.graph.call_function(aten.constant_pad_nd.default, (flat, pad, 0.0))
 
     def _gather(self, node: fx.Node) -> fx.Node:
-        """All rows of a region value: all_gather (FP8 as uint8 bytes), then trim the pad rows."""
-        dtype = _val(node).dtype
-        as_bytes = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        with self.graph.inserting_after(node):
+        """All token rows of a region value: all_gather (FP8 as uint8 bytes), trim the pad rows, restore
+        the token dims."""
+        val, k = _val(node), self.dims[node]
+        as_bytes = val.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        with self.graph.inserting_before(node.next):  # keeps the new nodes in order, right after node
             source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
-        with self.graph.inserting_after(source):
-            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (source, self.tp, self.group))
-        with self.graph.inserting_after(gathered):
+            flat = self._flatten_tokens(source, k)
+            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, self.group))
             waited = self.graph.call_function(WAIT, (gathered,))
-        with self.graph.inserting_after(waited):
-            trimmed = self.graph.call_function(aten.slice.Tensor, (waited, 0, 0, self.tokens))
-        if not as_bytes:
-            return trimmed
-        with self.graph.inserting_after(trimmed):
-            return self.graph.call_function(aten.view.dtype, (trimmed, dtype))
+            full = self.graph.call_function(aten.slice.Tensor, (waited, 0, 0, self.tokens))
+            if k > 1:
+                sizes = [self._size_of(size) for size in val.shape[:k]] + list(val.shape[k:])
+                full = self.graph.call_function(aten.reshape.default, (full, sizes))
+            return self.graph.call_function(aten.view.dtype, (full, val.dtype)) if as_bytes else full

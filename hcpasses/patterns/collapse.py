@@ -80,7 +80,7 @@ def stream_split(match: Match, collapse: Collapse, dtype: torch.dtype) -> tuple[
     gate_val, streams_val = gate.meta.get("val"), streams.meta.get("val")
     if not isinstance(gate_val, torch.Tensor) or not isinstance(streams_val, torch.Tensor):
         return None
-    split = _stacked_split(streams_val) if collapse.stacked else _reshape_split(match)
+    split = _stacked_split(streams) if collapse.stacked else _reshape_split(match)
     if split is None:
         return None
     n, hidden = split
@@ -105,10 +105,13 @@ def _reshape_split(match: Match) -> tuple[int, int] | None:
     return next(iter(splits)) if len(splits) == 1 and None not in splits else None
 
 
-def _stacked_split(streams: torch.Tensor) -> tuple[int, int] | None:
-    if streams.dim() < 3:
+def _stacked_split(streams: fx.Node) -> tuple[int, int] | None:
+    if streams.target is aten.reshape.default and split_streams(streams) is not None:
+        return None  # flat streams split in the graph: the flat pattern matches, with the real stream value
+    val = streams.meta["val"]
+    if val.dim() < 3:
         return None
-    n, hidden = streams.shape[-2], streams.shape[-1]
+    n, hidden = val.shape[-2], val.shape[-1]
     return (n, hidden) if isinstance(n, int) and isinstance(hidden, int) else None
 
 

@@ -119,3 +119,37 @@ def eager_outputs(rank: int, tp: int, jobs: Sequence[Job]) -> dict[str, Any]:
             except Exception:
                 results[name] = JobError(traceback.format_exc())
     return results
+
+
+class BatchedHCModel(nn.Module):
+    """HC blocks around TP MLPs in the transformers layout: ``ids [batch, seq] -> logits [batch, seq, vocab]``.
+
+    Streams are ``[batch, seq, n*S]``. Layer ``seq_mix_layer`` starts by adding each token's predecessor
+    in its sequence to it (an op along seq: not row-local). With ``return_state`` the HC state after the
+    last combine is returned as well (the MTP exit).
+    """
+
+    def __init__(self, cfg: Any, seq_mix_layer: int | None = None, return_state: bool = False) -> None:
+        from models.decoder import MLP
+        from models.hc import FinalMixer, HyperConnection
+        from models.tp import replicated_parameter
+
+        super().__init__()
+        self.cfg, self.seq_mix_layer, self.return_state = cfg, seq_mix_layer, return_state
+        self.embed = replicated_parameter(cfg.seed, "embed", (cfg.vocab_size, cfg.hidden), 1.0, cfg.dtype)
+        self.blocks = nn.ModuleList(
+            nn.ModuleList([HyperConnection(cfg, name=f"hc.{i}"), MLP(cfg, name=f"mlp.{i}", tp_rank=None, tp_size=None)])
+            for i in range(2 * cfg.n_layers)
+        )
+        self.final_mixer = FinalMixer(cfg, name="final_mixer")
+        self.lm_head = replicated_parameter(cfg.seed, "lm_head", (cfg.vocab_size, cfg.hidden), 0.2, cfg.dtype)
+
+    def forward(self, ids: torch.Tensor) -> Any:
+        h = F.embedding(ids, self.embed).repeat(1, 1, self.cfg.n_streams)
+        for i, (hc, mlp) in enumerate(self.blocks):
+            if i == 2 * (self.seq_mix_layer if self.seq_mix_layer is not None else -1):
+                h = h + 0.5 * F.pad(h, (0, 0, 1, 0))[:, :-1]
+            x, logits = hc.mix(h)
+            h = hc.combine(h, mlp(x), logits)
+        out = F.linear(self.final_mixer(h), self.lm_head)
+        return (out, h) if self.return_state else out
