@@ -31,6 +31,9 @@ How the region is found:
   the region must carry no tokens: a weight or constant broadcast over rows, or the right-hand side of
   an HC GEMM. Weights in a mix or combine are HC weights, replicated by construction. An ``mm`` is
   accepted only on the way to a collapse gate, so a TP-sharded projection can never land in the region.
+- A full-size term added into the streams from outside (an MTP drafter's projected next-token embedding,
+  ``streams = norm(state) + e``) is sharded where it joins: streams are replicated, so is the term. So a
+  target's HC state flows into its drafter still sharded when both are in one graph.
 - The region starts at the first HC block after the last op that is not row-local (e.g. the PLE conv):
   when a region node fails a check, the start moves to the next HC block after it.
 
@@ -96,6 +99,7 @@ class Region:
     reduces: list[tuple[fx.Node, fx.Node]]  # (all_reduce, wait) pairs that become reduce-scatters
     collapses: list[FoundCollapse]
     why_start: str
+    entries: list[tuple[fx.Node, fx.Node]]  # (region node, full-size operand from outside) pairs to shard
 
 
 def _val(node: Any) -> Any:
@@ -194,6 +198,7 @@ class _RegionBuilder:
         self.token_carriers = token_carriers
 
     def build(self, collapses: list[FoundCollapse], start: fx.Node, reduces: list[tuple[fx.Node, fx.Node]]) -> set:
+        self.entries: list[tuple[fx.Node, fx.Node]] = []
         stops = {out for c in collapses for out in c.outputs}
         live = {start, *(wait for _, wait in reduces)}
         skip = {node for pair in reduces for node in pair} | live
@@ -288,6 +293,9 @@ class _RegionBuilder:
                 raise NotRowLocal(node, "expands a token dim")
 
     def _check_operand(self, node: fx.Node, position: int, operand: fx.Node) -> None:
+        if self._enters_streams(node, operand):
+            self.entries.append((node, operand))
+            return
         if operand in self.token_carriers:
             raise NotRowLocal(node, f"reads {operand.name}, which carries tokens but is not in the region")
         val, out = _val(operand), _first_tensor(_val(node))
@@ -298,6 +306,21 @@ class _RegionBuilder:
         under_tokens = [val.shape[i - offset] for i in range(self.dims(node)) if i >= offset]
         if offset < 0 or not all(_same(size, 1) for size in under_tokens):
             raise NotRowLocal(node, f"operand {operand.name} {tuple(val.shape)} is not broadcast over the tokens")
+
+    def _enters_streams(self, node: fx.Node, operand: fx.Node) -> bool:
+        """Whether ``operand`` is a full-size term added into the streams, e.g. an MTP drafter's projected
+        next-token embedding: ``streams = norm(state) + e``. Streams that reach an HC block are replicated
+        (DESIGN §3) and so is the region's term, hence so is ``e``: its token rows can be sharded."""
+        if node.target not in (aten.add.Tensor, aten.sub.Tensor):
+            return False
+        val, out = _val(operand), _val(node)
+        k = token_dims(val, self.tokens)
+        return (
+            k is not None
+            and val.is_floating_point()
+            and val.dim() == out.dim()
+            and all(_same(a, b) for a, b in zip(val.shape, out.shape, strict=True))
+        )
 
 
 def _feeders(gates: set[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
@@ -349,15 +372,22 @@ class SPRewrite(GraphPass):
             return PassResult(0, f"no shardable region: {err}", tuple(notes))
         if isinstance(tokens, int) and tokens < config.sp_min_tokens:
             return PassResult(0, f"T={tokens} < sp_min_tokens={config.sp_min_tokens}", tuple(notes))
-        gathered = _Rewriter(graph, region, tokens, rank, tp).apply()
+        rewriter = _Rewriter(graph, region, tokens, rank, tp)
+        gathered = rewriter.apply()
+        streams = [name for name in gathered if name in rewriter.stream_wide]
         notes += [
             f"region starts at {region.start.name}: {region.why_start}",
             f"HC blocks sharded: {len(region.collapses)}; region nodes: {len(region.nodes)}",
             f"collectives: {len(region.reduces)} all-reduce -> reduce-scatter; {len(gathered)} all-gathers added",
             f"region exits gathered: {', '.join(gathered)}",
+            f"stream-wide values gathered (n*S wide, e.g. a returned HC state): {', '.join(streams) or 'none'}",
+            f"streams continue into another HC stack without a gather (e.g. an MTP drafter): "
+            f"{'yes' if region.entries else 'no'} ({len(region.entries)} full-size term(s) sharded where they join)",
             f"rows per rank: ceil({tokens}/{tp})",
         ]
-        facts = {} if isinstance(tokens, int) else {"symbolic_tokens": str(tokens)}
+        facts: dict[str, Any] = {"streams_gathered": len(streams), "entries_sharded": len(region.entries)}
+        if not isinstance(tokens, int):
+            facts["symbolic_tokens"] = str(tokens)
         return PassResult(len(region.collapses), None, tuple(notes), facts)
 
     def _find_region(
@@ -381,7 +411,7 @@ class SPRewrite(GraphPass):
                 raise NotRowLocal(start, "no all-reduce feeds an HC block after this point")
             try:
                 nodes = builder.build(later, start, used)
-                return Region(start, nodes, used, later, why_start), tokens
+                return Region(start, nodes, used, later, why_start, builder.entries), tokens
             except NotRowLocal as err:
                 after = [i for i in range(first + 1, len(collapses)) if order[sources[i]] > order[err.node]]
                 if not after:
@@ -419,9 +449,15 @@ class _Rewriter:
         self.token_count = tokens  # N as an int or a SymInt expression
         # Token dims of every value the rewrite touches, read off the unsharded shapes before any change
         # (the analysis has checked that each has them).
-        touched = [region.start, *region.nodes, *(ar.args[0] for ar, _ in region.reduces)]
+        touched = [
+            region.start,
+            *region.nodes,
+            *(ar.args[0] for ar, _ in region.reduces),
+            *(e for _, e in region.entries),
+        ]
         self.dims: dict[fx.Node, int] = {node: token_dims(_first_tensor(_val(node)), tokens) for node in touched}
         self.start_sizes = self._start_sizes()
+        self.stream_wide: set[str] = set()  # names of gathered values as wide as the streams
         self.tokens, self.rows = self._token_sizes(tokens)
 
     def _insert(self, target: Any, args: tuple, after: fx.Node | None = None) -> fx.Node:
@@ -481,6 +517,12 @@ class _Rewriter:
             torch.ops.hcpasses.shard_rows.default, (region.start, self.rank, self.tp, self.dims[region.start]), anchor
         )
         self._use_in_region(region.start, shard)
+        for node, operand in region.entries:
+            with self.graph.inserting_before(node):
+                rows = self.graph.call_function(
+                    torch.ops.hcpasses.shard_rows.default, (operand, self.rank, self.tp, self.dims[operand])
+                )
+            node.replace_input_with(operand, rows)
         for all_reduce, wait in region.reduces:
             self._reduce_scatter(all_reduce, wait)
         for node in region.nodes:
@@ -494,9 +536,18 @@ class _Rewriter:
                 for user in outside:
                     user.replace_input_with(node, full)
                 gathered.append(node.name)
+                if self._stream_wide(node):
+                    self.stream_wide.add(node.name)
         self.graph.eliminate_dead_code()
         refresh_fake_values(self.graph)
         return gathered
+
+    def _stream_wide(self, node: fx.Node) -> bool:
+        """Whether a value is as wide per token as the streams (n*S): the streams themselves or a state."""
+        start = _val(self.region.start)
+        return _same(
+            math.prod(_val(node).shape[self.dims[node] :]), math.prod(start.shape[self.dims[self.region.start] :])
+        )
 
     def _keep_token_sizes(self) -> None:
         """``sym_size(v, d)`` of a token dim d of a region value v: read it off the unsharded start instead."""

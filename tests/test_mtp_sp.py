@@ -1,0 +1,89 @@
+"""SP through the MTP drafter: target + drafter in one graph keep the HC state sharded (simulator)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from harness import capture_ranks, simulate
+
+from hcpasses.config import HCPassesConfig
+from hcpasses.manager import PassManager
+from models import HCConfig, HCDecoder
+from models.mtp import MTPDrafter, prefill_target_and_drafter
+
+c10d = torch.ops._c10d_functional
+CFG = HCConfig.tiny(n_layers=2, ple_layer=0, fp8=True, n_heads=12, n_kv_heads=12, intermediate=96, seed=3)
+
+
+class TargetAndDrafter(torch.nn.Module):
+    """The user's prefill: target and drafter called from one function (``streams``: return the drafter's)."""
+
+    def __init__(self, tp_rank: int | None, tp_size: int | None, streams: bool) -> None:
+        super().__init__()
+        self.target = HCDecoder(CFG, tp_rank, tp_size)
+        self.drafter = MTPDrafter(CFG, tp_rank, tp_size, target=self.target)
+        self.streams = streams
+
+    def forward(self, ids: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        target_logits, drafter_logits, streams = prefill_target_and_drafter(self.target, self.drafter, ids, next_ids)
+        return (target_logits, drafter_logits, streams) if self.streams else (target_logits, drafter_logits)
+
+
+def run_sharded(build: Any, args: tuple[torch.Tensor, ...], tp: int) -> tuple[list, Any, torch.fx.GraphModule]:
+    reports: list = []
+    manager = PassManager(HCPassesConfig(sp_min_tokens=1), reports.append)
+    graphs = capture_ranks(
+        build, lambda rank, tp: args, tp, codegen=False, config_patches={"post_grad_custom_pre_pass": manager}
+    )
+    outputs = simulate([g[0].gm for g in graphs], [g[0].inputs for g in graphs])
+    return outputs, reports[0].record("sp_rewrite"), graphs[0][0].gm
+
+
+def count(gm: torch.fx.GraphModule, target: Any) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target is target)
+
+
+def ids(tokens: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("tp", "tokens", "streams"), [(2, 11, True), (3, 8, False)])
+def test_fused_target_and_drafter_keep_the_state_sharded(tp: int, tokens: int, streams: bool) -> None:
+    args = (ids(tokens, 1), ids(tokens, 2))
+    outputs, sp, gm = run_sharded(lambda rank, tp: TargetAndDrafter(None, None, streams), args, tp)
+    with torch.no_grad():
+        expected = TargetAndDrafter(0, 1, streams)(*args)
+    for rank_outputs in outputs:
+        for got, want in zip(rank_outputs, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)  # FP8: a flipped code is one e4m3 step
+    # every HC block of both models is sharded: target 2 layers x 2 + final mixer, drafter 2 + its mixer
+    assert sp.applied == 8, sp
+    assert sp.facts["entries_sharded"] == 1  # the drafter's projected embedding, where it joins the streams
+    # The target's HC state is never gathered; the only stream-wide gather is the drafter's returned streams.
+    assert sp.facts["streams_gathered"] == int(streams), sp
+    assert count(gm, c10d.all_reduce.default) == 0
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 6  # 2 target layers (PLE first) + 1 drafter layer
+    # q + scale per sub-layer input (6), the two final mixers' x, the drafter's streams when returned
+    assert count(gm, c10d.all_gather_into_tensor.default) == 2 * 6 + 2 + int(streams)
+
+
+def test_separately_compiled_target_gathers_its_state_at_the_exit() -> None:
+    args = (ids(9, 3),)
+    outputs, sp, _ = run_sharded(lambda rank, tp: StateExit(HCDecoder(CFG)), args, 2)
+    with torch.no_grad():
+        expected = HCDecoder(CFG, 0, 1)(*args, return_hc_state=True)
+    for rank_outputs in outputs:
+        for got, want in zip(rank_outputs, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+    assert sp.facts["streams_gathered"] == 1 and sp.facts["entries_sharded"] == 0, sp
+
+
+class StateExit(torch.nn.Module):
+    def __init__(self, target: HCDecoder) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.target(ids, return_hc_state=True)
