@@ -99,15 +99,18 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """New tokens ``x [T, S]`` at positions ``L..L+T-1`` after a cache of L keys and values.
 
-        Returns ``(y [T, S], k [H_kv, L+T, D], v [H_kv, L+T, D])``; ``rope`` must be for the same positions.
+        Caches are token-major, ``[L, H_kv, D]``: a truncated cache is then a contiguous prefix whose strides do
+        not depend on L (a compiled step would recompile on every new stride). Returns ``(y [T, S], k, v)``
+        with the caches grown to ``L+T`` rows; ``rope`` must be for positions ``L..L+T-1``.
         """
         q, k, v = self.heads(x, rope)
-        k, v = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
-        past, total = k_cache.shape[1], k.shape[1]
+        k = torch.cat([k_cache, k.transpose(0, 1)])
+        v = torch.cat([v_cache, v.transpose(0, 1)])
+        past, total = k_cache.shape[0], k.shape[0]
         # SDPA's is_causal aligns the mask top-left; new tokens sit at the bottom-right of [T, L+T].
         query_pos = torch.arange(past, total, device=x.device).unsqueeze(-1)
         mask = torch.arange(total, device=x.device) <= query_pos
-        return self.attend(q, k, v, mask), k, v
+        return self.attend(q, k.transpose(0, 1), v.transpose(0, 1), mask), k, v
 
 
 class MLP(nn.Module):
@@ -176,7 +179,7 @@ class PLELayer(nn.Module):
 class LayerCache(NamedTuple):
     """One decoder layer's decode state after L tokens (positions ``0..L-1``).
 
-    ``k``, ``v``: this rank's rotated keys and values ``[n_kv_heads/tp, L, head_dim]``. ``conv``: the PLE
+    ``k``, ``v``: this rank's rotated keys and values ``[L, n_kv_heads/tp, head_dim]`` (token-major). ``conv``: the PLE
     layer's last conv input rows ``[W, S]`` (``W >= PLE_LEFT_PAD``, ending at position L; rows before
     position 0 are zero, the conv's own padding), or None in a layer without PLE.
     """
@@ -191,7 +194,7 @@ DecoderCache = tuple[LayerCache, ...]  # one LayerCache per layer
 
 def cache_length(cache: DecoderCache) -> int:
     """L: how many tokens the cache holds, which is also the position of the next token."""
-    return cache[0].k.shape[1]
+    return cache[0].k.shape[0]
 
 
 def truncate_cache(cache: DecoderCache, length: int) -> DecoderCache:
@@ -203,9 +206,7 @@ def truncate_cache(cache: DecoderCache, length: int) -> DecoderCache:
     drop = cache_length(cache) - length
     if drop < 0 or length < 0:
         raise ValueError(f"cannot truncate a cache of {cache_length(cache)} tokens to {length}")
-    return tuple(
-        LayerCache(layer.k[:, :length], layer.v[:, :length], _roll_back_window(layer.conv, drop)) for layer in cache
-    )
+    return tuple(LayerCache(layer.k[:length], layer.v[:length], _roll_back_window(layer.conv, drop)) for layer in cache)
 
 
 def _roll_back_window(window: torch.Tensor | None, drop: int) -> torch.Tensor | None:
@@ -254,7 +255,7 @@ class HCDecoderLayer(nn.Module):
 
     def empty_cache(self, device: torch.device, dtype: torch.dtype) -> LayerCache:
         """The cache before the first token: no keys, and a zero PLE window (the conv's left padding)."""
-        kv = torch.zeros(self.attn.n_kv_heads, 0, self.attn.head_dim, device=device, dtype=dtype)
+        kv = torch.zeros(0, self.attn.n_kv_heads, self.attn.head_dim, device=device, dtype=dtype)
         window = None
         if self.ple is not None:
             window = torch.zeros(PLE_LEFT_PAD, self.ple.hidden, device=device, dtype=dtype)

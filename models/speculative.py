@@ -89,16 +89,22 @@ class StepFunctions:
 
 @dataclass
 class SpecStats:
-    """Counts over verify steps: drafts proposed and accepted (the bonus token is not a draft)."""
+    """Per verify step, how many of its ``draft_steps`` drafts were accepted (the bonus token is no draft)."""
 
-    verify_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    draft_steps: int
+    accepted_per_step: list[int] = field(default_factory=list)
 
-    def record(self, drafted: int, accepted: int) -> None:
-        self.verify_steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
+    @property
+    def verify_steps(self) -> int:
+        return len(self.accepted_per_step)
+
+    @property
+    def drafted(self) -> int:
+        return self.draft_steps * self.verify_steps
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_step)
 
     @property
     def acceptance_rate(self) -> float:
@@ -110,13 +116,23 @@ class SpecStats:
         """Tokens emitted per verify step: accepted drafts plus the bonus token."""
         return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
+    def summary(self) -> dict[str, float]:
+        """The counts and the two rates, for reports."""
+        return {
+            "verify_steps": self.verify_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accept_length": self.mean_accept_length,
+        }
+
 
 @dataclass
 class SpecResult:
     """The generated tokens (prompt excluded) and the acceptance statistics."""
 
     tokens: list[int]
-    stats: SpecStats = field(default_factory=SpecStats)
+    stats: SpecStats
 
 
 class _Session:
@@ -134,6 +150,8 @@ class _Session:
 
     def run(self, *rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits, state or streams)`` of the new rows, which then count as processed."""
+        # Dynamo guards a view input on its base (sizes, storage offset): fresh rows keep one graph per shape.
+        rows = tuple(r.clone() for r in rows)
         n_rows = rows[0].shape[0]
         self.length += n_rows
         if not self.recompute:
@@ -222,11 +240,11 @@ def speculative_decode(
     target_logits, drafter_logits, streams = _prefill(steps, target_session, drafter_session, prompt)
     emitted = target_logits[-1:].argmax(-1)
     tokens = emitted.tolist()
-    stats = SpecStats()
+    stats = SpecStats(draft_steps)
     logits, streams = drafter_logits[-1], streams[-1:]
     while len(tokens) < max_new_tokens:
         emitted, logits, streams = _round(target_session, drafter_session, emitted[-1:], logits, streams, draft_steps)
-        stats.record(draft_steps, emitted.shape[0] - 1)
+        stats.accepted_per_step.append(emitted.shape[0] - 1)
         tokens.extend(emitted.tolist())
     return SpecResult(tokens[:max_new_tokens], stats)
 

@@ -1,0 +1,202 @@
+"""The MTP drafter, the decode caches and greedy speculative decoding: eager, compiled, and at TP 2 over gloo."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+
+import hcpasses
+from hcpasses.multiproc import run_ranks
+from models import HCConfig, HCDecoder, MTPDrafter
+from models.decoder import PLE_LEFT_PAD, cache_length, truncate_cache
+from models.mtp import prefill_target_and_drafter
+from models.speculative import StepFunctions, greedy_decode, speculative_decode
+
+CFG = HCConfig.tiny(ple_layer=0, seed=1)  # PLE in the first layer: its conv window is rolled back too
+PROMPT_TOKENS = 12
+NEW_TOKENS = 24
+DRAFT_TOKENS = 16  # rows of the drafter forward checks
+SP_MIN_TOKENS = 8  # the prompt and the drafter forward check are sharded, decode steps are not
+BACKENDS: dict[str, dict[str, Any]] = {
+    "passes_on": {"sp_min_tokens": SP_MIN_TOKENS},
+    "passes_off": {"sp_rewrite": False, "gated_mean_quant": False},
+}
+
+
+def random_ids(n_tokens: int, seed: int) -> torch.Tensor:
+    """Fresh token ids, never all zeros."""
+    ids = torch.randint(1, CFG.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(seed))
+    assert ids.unique().numel() > 1
+    return ids
+
+
+def random_state(n_tokens: int, seed: int) -> torch.Tensor:
+    """A random HC state ``[T, n, S]``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n_tokens, CFG.n_streams, CFG.hidden, generator=gen)
+
+
+def agreeing_models(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[HCDecoder, MTPDrafter]:
+    """A target and a drafter that agree on about half the drafts, so that both accept and roll-back paths run.
+
+    Random weights alone give a drafter that is almost never right. Here the target's layers (sub-layer
+    outputs and PLE conv) are scaled down, so its next token depends mostly on the current one; the drafter
+    gets the target's own mixer and final norm and an input dominated by the next token's embedding, so it
+    predicts what the target would say after that token, and is wrong where the context matters. Every
+    change scales or copies whole tensors, so each TP size still computes the same function.
+    """
+    target = HCDecoder(CFG, tp_rank, tp_size)
+    drafter = MTPDrafter(CFG, tp_rank, tp_size, target=target)
+    with torch.no_grad():
+        for layer in target.layers:
+            layer.attn.o_proj.weight.mul_(0.3)
+            layer.mlp.down.weight.mul_(0.3)
+            if layer.ple is not None:
+                layer.ple.conv_weight.mul_(0.3)
+        drafter.final_mixer.load_state_dict(target.final_mixer.state_dict())
+        drafter.final_norm_weight.copy_(target.final_norm_weight)
+        drafter.embed_proj.copy_(10 * torch.eye(CFG.hidden))
+        drafter.layer.attn.o_proj.weight.mul_(0.1)
+        drafter.layer.mlp.down.weight.mul_(0.1)
+    return target, drafter
+
+
+# ------------------------------------------------------------------------------------------ eager, one device
+
+
+def test_target_step_with_rollback_matches_the_full_forward() -> None:
+    target, _ = agreeing_models(0, 1)
+    ids = random_ids(20, seed=3)
+    with torch.no_grad():
+        logits, state = target(ids, return_hc_state=True)
+        cache, rows = target.empty_cache(), []
+        for start, end in ((0, 7), (7, 8), (8, 11)):
+            step_logits, step_state, cache = target.step(ids[start:end], cache)
+            rows.append((step_logits, step_state))
+        _, _, cache = target.step(random_ids(3, seed=4), cache)  # three rejected tokens
+        cache = truncate_cache(cache, 11)
+        for start, end in ((11, 14), (14, 20)):
+            step_logits, step_state, cache = target.step(ids[start:end], cache)
+            rows.append((step_logits, step_state))
+    assert cache_length(cache) == 20 and cache[0].conv is not None and cache[1].conv is None
+    torch.testing.assert_close(torch.cat([r[0] for r in rows]), logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([r[1] for r in rows]), state, rtol=1e-5, atol=1e-5)
+
+
+def test_truncate_refuses_what_it_cannot_roll_back() -> None:
+    target, _ = agreeing_models(0, 1)
+    with torch.no_grad():
+        _, _, cache = target.step(random_ids(4, seed=5), target.empty_cache())
+    assert cache[0].conv.shape[0] == PLE_LEFT_PAD + 4
+    assert truncate_cache(cache, 0)[0].conv.shape[0] == PLE_LEFT_PAD
+    with pytest.raises(ValueError, match="cannot truncate"):
+        truncate_cache(cache, 5)
+    with pytest.raises(ValueError, match="cannot roll back"):
+        truncate_cache(truncate_cache(cache, 4), 3)  # the window no longer holds the rows before position 4
+
+
+def test_drafter_step_matches_forward_and_shares_the_target_tables() -> None:
+    target, drafter = agreeing_models(0, 1)
+    state, ids = random_state(DRAFT_TOKENS, seed=6), random_ids(DRAFT_TOKENS, seed=7)
+    with torch.no_grad():
+        logits, streams = drafter(state, ids)
+        first = drafter.step(state[:5], ids[:5], drafter.empty_cache())
+        second = drafter.step(state[5:].flatten(1), ids[5:], first[2])  # the [T, n*S] layout too
+    assert drafter.embed is target.embed and drafter.lm_head is target.lm_head
+    standalone = MTPDrafter(CFG, 0, 1)
+    assert torch.equal(standalone.embed, target.embed) and torch.equal(standalone.lm_head, target.lm_head)
+    assert logits.shape == (DRAFT_TOKENS, CFG.vocab_size) and streams.shape == (DRAFT_TOKENS, CFG.streams_width)
+    torch.testing.assert_close(torch.cat([first[0], second[0]]), logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([first[1], second[1]]), streams, rtol=1e-5, atol=1e-5)
+
+
+def test_drafter_input_is_row_local() -> None:
+    _, drafter = agreeing_models(0, 1)
+    state, ids = random_state(DRAFT_TOKENS, seed=8), random_ids(DRAFT_TOKENS, seed=9)
+    changed_state, changed_ids = state.clone(), ids.clone()
+    changed_state[5] += 1.0
+    changed_ids[5] = (ids[5] + 1) % CFG.vocab_size
+    with torch.no_grad():
+        before, after = drafter.streams_in(state, ids), drafter.streams_in(changed_state, changed_ids)
+    rows_changed = (before != after).any(-1)
+    assert rows_changed.nonzero().flatten().tolist() == [5]
+
+
+def eager_reference() -> dict[str, Any]:
+    """Single-device eager results: greedy decoding, speculative decoding cached and recomputed."""
+    target, drafter = agreeing_models(0, 1)
+    prompt = random_ids(PROMPT_TOKENS, seed=10)
+    with torch.no_grad():
+        cached = speculative_decode(target, drafter, prompt, NEW_TOKENS)
+        recomputed = speculative_decode(target, drafter, prompt, NEW_TOKENS, recompute=True)
+        return {"greedy": greedy_decode(target, prompt, NEW_TOKENS), "cached": cached, "recomputed": recomputed}
+
+
+def test_speculative_decoding_is_the_targets_greedy_decoding() -> None:
+    ref = eager_reference()
+    cached, recomputed = ref["cached"], ref["recomputed"]
+    assert cached.tokens == ref["greedy"] and recomputed.tokens == ref["greedy"]
+    assert cached.stats == recomputed.stats
+    # the chosen seed drafts some right and some wrong: every roll-back length (2, 1, 0 tokens) happens
+    assert 0 < cached.stats.acceptance_rate < 1
+    assert set(collections.Counter(cached.stats.accepted_per_step)) == {0, 1, 2}
+    assert cached.stats.mean_accept_length == pytest.approx(1 + 2 * cached.stats.acceptance_rate)
+    assert cached.stats.accepted + cached.stats.verify_steps + 1 >= NEW_TOKENS  # + the prefill's token
+
+
+# ----------------------------------------------------------------------------------------- TP 2 over gloo
+
+
+def tp_rank_main(rank: int, world_size: int) -> dict[str, Any]:
+    """Drafter forward, one-graph prefill and speculative decoding, compiled with passes on and off."""
+    torch.set_num_threads(1)  # the two ranks share the CPU cores
+    target, drafter = agreeing_models()
+    state, ids = random_state(DRAFT_TOKENS, seed=11), random_ids(DRAFT_TOKENS, seed=12)
+    prompt = random_ids(PROMPT_TOKENS, seed=10)
+    results: dict[str, Any] = {}
+    with torch.no_grad():
+        results["eager-recomputed"] = speculative_decode(target, drafter, prompt, NEW_TOKENS, recompute=True)
+        for name, flags in BACKENDS.items():
+            torch._dynamo.reset()
+            be = hcpasses.backend(**flags)
+            results[f"{name}-drafter"] = torch.compile(drafter, backend=be)(state, ids)
+            prefill = torch.compile(prefill_target_and_drafter, backend=be)
+            results[f"{name}-prefill"] = prefill(target, drafter, prompt, torch.roll(prompt, -1))
+            steps = StepFunctions.eager(target, drafter).compiled(be)
+            results[f"{name}-spec"] = speculative_decode(target, drafter, prompt, NEW_TOKENS, steps=steps)
+            results[f"{name}-reports"] = [str(report) for report in be.reports]
+            results[f"{name}-sp"] = [report.record("sp_rewrite").status for report in be.reports]
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp2_results() -> list[dict[str, Any]]:
+    return run_ranks(tp_rank_main, 2, timeout_s=600)
+
+
+def test_tp2_compiled_drafter_and_prefill_match_single_device(tp2_results: list[dict[str, Any]]) -> None:
+    target, drafter = agreeing_models(0, 1)
+    state, ids = random_state(DRAFT_TOKENS, seed=11), random_ids(DRAFT_TOKENS, seed=12)
+    prompt = random_ids(PROMPT_TOKENS, seed=10)
+    with torch.no_grad():
+        expected_drafter = drafter(state, ids)
+        expected_prefill = prefill_target_and_drafter(target, drafter, prompt, torch.roll(prompt, -1))
+    for rank, results in enumerate(tp2_results):
+        for name in BACKENDS:
+            for got, want in zip(results[f"{name}-drafter"], expected_drafter, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name} drafter")
+            for got, want in zip(results[f"{name}-prefill"], expected_prefill, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name} prefill")
+    assert "applied" in tp2_results[0]["passes_on-sp"], tp2_results[0]["passes_on-reports"]
+    assert "applied" not in tp2_results[0]["passes_off-sp"]
+
+
+def test_tp2_speculative_decoding_with_passes_on_and_off(tp2_results: list[dict[str, Any]]) -> None:
+    ref = eager_reference()
+    for rank, results in enumerate(tp2_results):
+        for key in ("eager-recomputed", *(f"{name}-spec" for name in BACKENDS)):
+            assert results[key].tokens == ref["greedy"], f"rank {rank} {key}"
+            assert results[key].stats == ref["cached"].stats, f"rank {rank} {key}"
