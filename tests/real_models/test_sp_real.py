@@ -62,3 +62,25 @@ def test_sp_shards_every_hc_block_and_matches_one_device(family: str, fp8: bool,
     assert sum(n.target is c10d.all_reduce.default for n in gm.graph.nodes) == 0
     assert sum(n.target is c10d.reduce_scatter_tensor.default for n in gm.graph.nodes) == 2
     assert sp.facts["streams_gathered"] == 0
+
+
+def compiled_rank(rank: int, tp: int) -> dict[str, object]:
+    """One gloo rank: the sharded one-layer FP8 qwen4_exp through ``torch.compile(backend=hcpasses)``."""
+    import hcpasses
+
+    model = build("qwen4_exp", True, rank, tp)
+    backend = hcpasses.backend(sp_min_tokens=1)
+    with torch._inductor.config.patch({"cpp.simdlen": 0, "force_disable_caches": True}):
+        actual = logits(torch.compile(model, backend=backend), token_ids(2, seed=6))
+    return {"logits": actual, "reports": [str(r) for r in backend.reports], "sp": backend.reports[0].applied}
+
+
+def test_two_gloo_ranks_compile_qwen4_exp_with_sp() -> None:
+    from hcpasses.multiproc import run_ranks
+
+    results = run_ranks(compiled_rank, 2, timeout_s=600)
+    expected = logits(build("qwen4_exp", True), token_ids(2, seed=6))
+    for result in results:
+        torch.testing.assert_close(result["logits"], expected, atol=2e-2, rtol=2e-2)  # FP8, see above
+        assert len(result["reports"]) == 1, result["reports"]
+        assert result["sp"]["sp_rewrite"] == 3 and result["sp"]["gated_mean_quant"] == 1, result["reports"]
