@@ -99,18 +99,23 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """New tokens ``x [T, S]`` at positions ``L..L+T-1`` after a cache of L keys and values.
 
-        Caches are token-major, ``[L, H_kv, D]``: a truncated cache is then a contiguous prefix whose strides do
-        not depend on L (a compiled step would recompile on every new stride). Returns ``(y [T, S], k, v)``
-        with the caches grown to ``L+T`` rows; ``rope`` must be for positions ``L..L+T-1``.
+        Caches are ``[L, H_kv * D]``, token-major and 2-D: a truncated cache is a contiguous prefix whose strides
+        do not depend on L, and no dim has size 1 (one KV head per rank), whose stride a compiled step would
+        guard on. Returns ``(y [T, S], k, v)`` with the caches grown to ``L+T`` rows; ``rope`` must be for
+        positions ``L..L+T-1``.
         """
         q, k, v = self.heads(x, rope)
-        k = torch.cat([k_cache, k.transpose(0, 1)])
-        v = torch.cat([v_cache, v.transpose(0, 1)])
+        k = torch.cat([k_cache, k.transpose(0, 1).flatten(1)])
+        v = torch.cat([v_cache, v.transpose(0, 1).flatten(1)])
         past, total = k_cache.shape[0], k.shape[0]
         # SDPA's is_causal aligns the mask top-left; new tokens sit at the bottom-right of [T, L+T].
         query_pos = torch.arange(past, total, device=x.device).unsqueeze(-1)
         mask = torch.arange(total, device=x.device) <= query_pos
-        return self.attend(q, k.transpose(0, 1), v.transpose(0, 1), mask), k, v
+        return self.attend(q, self.split_heads(k), self.split_heads(v), mask), k, v
+
+    def split_heads(self, cache: torch.Tensor) -> torch.Tensor:
+        """``[L, H_kv * D] -> [H_kv, L, D]``."""
+        return cache.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(0, 1)
 
 
 class MLP(nn.Module):
@@ -179,7 +184,7 @@ class PLELayer(nn.Module):
 class LayerCache(NamedTuple):
     """One decoder layer's decode state after L tokens (positions ``0..L-1``).
 
-    ``k``, ``v``: this rank's rotated keys and values ``[L, n_kv_heads/tp, head_dim]`` (token-major). ``conv``: the PLE
+    ``k``, ``v``: this rank's rotated keys and values ``[L, n_kv_heads/tp * head_dim]`` (token-major). ``conv``: the PLE
     layer's last conv input rows ``[W, S]`` (``W >= PLE_LEFT_PAD``, ending at position L; rows before
     position 0 are zero, the conv's own padding), or None in a layer without PLE.
     """
@@ -255,7 +260,7 @@ class HCDecoderLayer(nn.Module):
 
     def empty_cache(self, device: torch.device, dtype: torch.dtype) -> LayerCache:
         """The cache before the first token: no keys, and a zero PLE window (the conv's left padding)."""
-        kv = torch.zeros(0, self.attn.n_kv_heads, self.attn.head_dim, device=device, dtype=dtype)
+        kv = torch.zeros(0, self.attn.n_kv_heads * self.attn.head_dim, device=device, dtype=dtype)
         window = None
         if self.ple is not None:
             window = torch.zeros(PLE_LEFT_PAD, self.ple.hidden, device=device, dtype=dtype)

@@ -9,8 +9,10 @@ drafter caught up to position N-1 (its last row predicted ``d_1``, the token at 
 3. accept the longest prefix with ``d_i == g_i`` (a drafts) and emit ``g_1..g_{a+1}``: the accepted drafts
    and the bonus token ``g_{a+1}``;
 4. roll back: the target keeps positions up to N+a; the drafter drops its rows of draft steps >= 2 (they
-   read drafter streams in place of target states) and catches up on positions N..N+a with the target's
-   states and the emitted tokens; its last row gives the next round's ``d_1``.
+   read drafter streams in place of target states) and catches up on positions N..N+k with the target's
+   states and tokens ``g_1..g_{k+1}`` (for i <= a these are the emitted tokens), keeps rows up to N+a and
+   takes row N+a for the next round's ``d_1``. Rows after N+a are wasted work, but causal attention hides
+   them from row N+a, and every catch-up has the same k+1 rows: one compiled graph, CUDA-graph friendly.
 
 Every emitted token is the target's own greedy choice, so the output is exactly the target's greedy decoding
 (:func:`greedy_decode`). The loop calls three step functions (:class:`StepFunctions`: prefill, draft,
@@ -78,13 +80,18 @@ class StepFunctions:
         """The plain eager steps of these models."""
         return cls(functools.partial(prefill_step, target, drafter), drafter.step, target.step)
 
-    def compiled(self, backend: Any, dynamic: bool = True) -> StepFunctions:
-        """Each step through ``torch.compile(backend=backend)``; dynamic shapes, since T and L change every call."""
+    def compiled(self, backend: Any) -> StepFunctions:
+        """Each step through ``torch.compile(backend=backend)``.
 
-        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-            return torch.compile(fn, backend=backend, dynamic=dynamic)
-
-        return StepFunctions(wrap(self.prefill), wrap(self.draft), wrap(self.verify))
+        Draft and verify steps get dynamic shapes from the start (the cache length changes every call; the
+        loop marks their few row counts static); the prefill gets torch.compile's default, static for the
+        first prompt length and dynamic once another one comes.
+        """
+        return StepFunctions(
+            torch.compile(self.prefill, backend=backend),
+            torch.compile(self.draft, backend=backend, dynamic=True),
+            torch.compile(self.verify, backend=backend, dynamic=True),
+        )
 
 
 @dataclass
@@ -155,6 +162,10 @@ class _Session:
         n_rows = rows[0].shape[0]
         self.length += n_rows
         if not self.recompute:
+            # A decode step has one of a few row counts (1..k+1); only the cache length grows. Static rows keep
+            # a compiled step below the SP threshold in one unsharded graph, and fit CUDA graphs.
+            for row in rows:
+                torch._dynamo.mark_static(row, 0)
             logits, out, self.cache = self.step(*rows, self.cache)
             return logits, out
         self.inputs = (
@@ -213,8 +224,10 @@ def _round(
     emitted = greedy[: accepted + 1]  # the accepted drafts equal greedy[:accepted]; greedy[accepted] is the bonus
     target.truncate(target.length - (k - accepted))
     drafter.truncate(drafter.length - (k - 1))
-    drafter_logits, streams = drafter.run(state[: accepted + 1].flatten(1), emitted)
-    return emitted, drafter_logits[-1], streams[-1:]
+    caught_up = drafter.length + accepted + 1
+    drafter_logits, streams = drafter.run(state.flatten(1), greedy)
+    drafter.truncate(caught_up)
+    return emitted, drafter_logits[accepted], streams[accepted : accepted + 1]
 
 
 def speculative_decode(

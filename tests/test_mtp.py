@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from hcpasses.multiproc import run_ranks
 from models import HCConfig, HCDecoder, MTPDrafter
 from models.decoder import PLE_LEFT_PAD, cache_length, truncate_cache
 from models.mtp import prefill_target_and_drafter
-from models.speculative import StepFunctions, greedy_decode, speculative_decode
+from models.speculative import StepFunctions, greedy_decode, prefill_step, speculative_decode
 
 CFG = HCConfig.tiny(ple_layer=0, seed=1)  # PLE in the first layer: its conv window is rolled back too
 PROMPT_TOKENS = 12
@@ -24,6 +25,15 @@ BACKENDS: dict[str, dict[str, Any]] = {
     "passes_on": {"sp_min_tokens": SP_MIN_TOKENS},
     "passes_off": {"sp_rewrite": False, "gated_mean_quant": False},
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """These models are tiny: a second intra-op thread only adds contention on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def random_ids(n_tokens: int, seed: int) -> torch.Tensor:
@@ -125,6 +135,18 @@ def test_drafter_input_is_row_local() -> None:
     assert rows_changed.nonzero().flatten().tolist() == [5]
 
 
+def test_one_graph_prefill_is_target_then_drafter() -> None:
+    target, drafter = agreeing_models(0, 1)
+    ids, next_ids = random_ids(PROMPT_TOKENS, seed=13), random_ids(PROMPT_TOKENS, seed=14)
+    with torch.no_grad():
+        logits, state = target(ids, return_hc_state=True)
+        expected = (logits, *drafter(state, next_ids))
+        got = prefill_target_and_drafter(target, drafter, ids, next_ids)
+    for got_tensor, expected_tensor in zip(got, expected, strict=True):
+        assert torch.equal(got_tensor, expected_tensor)
+
+
+@pytest.fixture(scope="module")
 def eager_reference() -> dict[str, Any]:
     """Single-device eager results: greedy decoding, speculative decoding cached and recomputed."""
     target, drafter = agreeing_models(0, 1)
@@ -132,11 +154,17 @@ def eager_reference() -> dict[str, Any]:
     with torch.no_grad():
         cached = speculative_decode(target, drafter, prompt, NEW_TOKENS)
         recomputed = speculative_decode(target, drafter, prompt, NEW_TOKENS, recompute=True)
-        return {"greedy": greedy_decode(target, prompt, NEW_TOKENS), "cached": cached, "recomputed": recomputed}
+        prefill = prefill_step(target, drafter, prompt, target.empty_cache(), drafter.empty_cache())
+        return {
+            "greedy": greedy_decode(target, prompt, NEW_TOKENS),
+            "cached": cached,
+            "recomputed": recomputed,
+            "prefill": prefill[:3],
+        }
 
 
-def test_speculative_decoding_is_the_targets_greedy_decoding() -> None:
-    ref = eager_reference()
+def test_speculative_decoding_is_the_targets_greedy_decoding(eager_reference: dict[str, Any]) -> None:
+    ref = eager_reference
     cached, recomputed = ref["cached"], ref["recomputed"]
     assert cached.tokens == ref["greedy"] and recomputed.tokens == ref["greedy"]
     assert cached.stats == recomputed.stats
@@ -151,7 +179,8 @@ def test_speculative_decoding_is_the_targets_greedy_decoding() -> None:
 
 
 def tp_rank_main(rank: int, world_size: int) -> dict[str, Any]:
-    """Drafter forward, one-graph prefill and speculative decoding, compiled with passes on and off."""
+    """Drafter forward and speculative decoding compiled with passes on and off; the one-graph prefill function
+    with passes on (where SP can keep the target's HC state sharded into the drafter)."""
     torch.set_num_threads(1)  # the two ranks share the CPU cores
     target, drafter = agreeing_models()
     state, ids = random_state(DRAFT_TOKENS, seed=11), random_ids(DRAFT_TOKENS, seed=12)
@@ -163,9 +192,12 @@ def tp_rank_main(rank: int, world_size: int) -> dict[str, Any]:
             torch._dynamo.reset()
             be = hcpasses.backend(**flags)
             results[f"{name}-drafter"] = torch.compile(drafter, backend=be)(state, ids)
-            prefill = torch.compile(prefill_target_and_drafter, backend=be)
-            results[f"{name}-prefill"] = prefill(target, drafter, prompt, torch.roll(prompt, -1))
+            if name == "passes_on":
+                prefill = torch.compile(prefill_target_and_drafter, backend=be)
+                results["prefill-function"] = prefill(target, drafter, ids, torch.roll(ids, -1))
             steps = StepFunctions.eager(target, drafter).compiled(be)
+            # the loop's first call then reuses this graph (same shapes)
+            results[f"{name}-prefill-step"] = steps.prefill(prompt, target.empty_cache(), drafter.empty_cache())[:3]
             results[f"{name}-spec"] = speculative_decode(target, drafter, prompt, NEW_TOKENS, steps=steps)
             results[f"{name}-reports"] = [str(report) for report in be.reports]
             results[f"{name}-sp"] = [report.record("sp_rewrite").status for report in be.reports]
@@ -177,25 +209,34 @@ def tp2_results() -> list[dict[str, Any]]:
     return run_ranks(tp_rank_main, 2, timeout_s=600)
 
 
-def test_tp2_compiled_drafter_and_prefill_match_single_device(tp2_results: list[dict[str, Any]]) -> None:
+def assert_all_close(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], what: str) -> None:
+    for got_tensor, expected_tensor in zip(got, expected, strict=True):
+        torch.testing.assert_close(got_tensor, expected_tensor, rtol=1e-5, atol=1e-5, msg=what)
+
+
+def test_tp2_compiled_drafter_and_prefill_match_single_device(
+    tp2_results: list[dict[str, Any]], eager_reference: dict[str, Any]
+) -> None:
     target, drafter = agreeing_models(0, 1)
     state, ids = random_state(DRAFT_TOKENS, seed=11), random_ids(DRAFT_TOKENS, seed=12)
-    prompt = random_ids(PROMPT_TOKENS, seed=10)
     with torch.no_grad():
         expected_drafter = drafter(state, ids)
-        expected_prefill = prefill_target_and_drafter(target, drafter, prompt, torch.roll(prompt, -1))
+        expected_prefill = prefill_target_and_drafter(target, drafter, ids, torch.roll(ids, -1))
     for rank, results in enumerate(tp2_results):
+        assert_all_close(results["prefill-function"], expected_prefill, f"rank {rank} prefill function")
         for name in BACKENDS:
-            for got, want in zip(results[f"{name}-drafter"], expected_drafter, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name} drafter")
-            for got, want in zip(results[f"{name}-prefill"], expected_prefill, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name} prefill")
-    assert "applied" in tp2_results[0]["passes_on-sp"], tp2_results[0]["passes_on-reports"]
+            assert_all_close(results[f"{name}-drafter"], expected_drafter, f"rank {rank} {name} drafter")
+            prefill_step_outputs = results[f"{name}-prefill-step"]
+            assert_all_close(prefill_step_outputs, eager_reference["prefill"], f"rank {rank} {name} prefill step")
+    # drafter forward, prefill function (T = 16 >= SP_MIN_TOKENS) and prefill step (T = 12) are sharded
+    assert tp2_results[0]["passes_on-sp"][:3] == ["applied"] * 3, tp2_results[0]["passes_on-reports"]
     assert "applied" not in tp2_results[0]["passes_off-sp"]
 
 
-def test_tp2_speculative_decoding_with_passes_on_and_off(tp2_results: list[dict[str, Any]]) -> None:
-    ref = eager_reference()
+def test_tp2_speculative_decoding_with_passes_on_and_off(
+    tp2_results: list[dict[str, Any]], eager_reference: dict[str, Any]
+) -> None:
+    ref = eager_reference
     for rank, results in enumerate(tp2_results):
         for key in ("eager-recomputed", *(f"{name}-spec" for name in BACKENDS)):
             assert results[key].tokens == ref["greedy"], f"rank {rank} {key}"
