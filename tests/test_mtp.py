@@ -179,22 +179,23 @@ def test_speculative_decoding_is_the_targets_greedy_decoding(eager_reference: di
 
 
 def tp_rank_main(rank: int, world_size: int) -> dict[str, Any]:
-    """Drafter forward and speculative decoding compiled with passes on and off; the one-graph prefill function
-    with passes on (where SP can keep the target's HC state sharded into the drafter)."""
+    """Drafter forward, prefill step and speculative decoding, compiled with passes on and off.
+
+    The prefill step is target and drafter in one graph, like ``prefill_target_and_drafter`` (tested eagerly;
+    one more compile here would cost about 10 s): SP can keep the target's HC state sharded into the drafter.
+    """
     torch.set_num_threads(1)  # the two ranks share the CPU cores
     target, drafter = agreeing_models()
     state, ids = random_state(DRAFT_TOKENS, seed=11), random_ids(DRAFT_TOKENS, seed=12)
     prompt = random_ids(PROMPT_TOKENS, seed=10)
     results: dict[str, Any] = {}
-    with torch.no_grad():
+    # Scalar C++ compiles in about half the time of vectorised C++ on CPU; the passes run before codegen.
+    with torch.no_grad(), torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
         results["eager-recomputed"] = speculative_decode(target, drafter, prompt, NEW_TOKENS, recompute=True)
         for name, flags in BACKENDS.items():
             torch._dynamo.reset()
             be = hcpasses.backend(**flags)
             results[f"{name}-drafter"] = torch.compile(drafter, backend=be)(state, ids)
-            if name == "passes_on":
-                prefill = torch.compile(prefill_target_and_drafter, backend=be)
-                results["prefill-function"] = prefill(target, drafter, ids, torch.roll(ids, -1))
             steps = StepFunctions.eager(target, drafter).compiled(be)
             # the loop's first call then reuses this graph (same shapes)
             results[f"{name}-prefill-step"] = steps.prefill(prompt, target.empty_cache(), drafter.empty_cache())[:3]
@@ -217,19 +218,17 @@ def assert_all_close(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor
 def test_tp2_compiled_drafter_and_prefill_match_single_device(
     tp2_results: list[dict[str, Any]], eager_reference: dict[str, Any]
 ) -> None:
-    target, drafter = agreeing_models(0, 1)
+    _, drafter = agreeing_models(0, 1)
     state, ids = random_state(DRAFT_TOKENS, seed=11), random_ids(DRAFT_TOKENS, seed=12)
     with torch.no_grad():
         expected_drafter = drafter(state, ids)
-        expected_prefill = prefill_target_and_drafter(target, drafter, ids, torch.roll(ids, -1))
     for rank, results in enumerate(tp2_results):
-        assert_all_close(results["prefill-function"], expected_prefill, f"rank {rank} prefill function")
         for name in BACKENDS:
             assert_all_close(results[f"{name}-drafter"], expected_drafter, f"rank {rank} {name} drafter")
             prefill_step_outputs = results[f"{name}-prefill-step"]
             assert_all_close(prefill_step_outputs, eager_reference["prefill"], f"rank {rank} {name} prefill step")
-    # drafter forward, prefill function (T = 16 >= SP_MIN_TOKENS) and prefill step (T = 12) are sharded
-    assert tp2_results[0]["passes_on-sp"][:3] == ["applied"] * 3, tp2_results[0]["passes_on-reports"]
+    # the drafter forward (T = 16) and the prefill step (T = 12) are sharded: T >= SP_MIN_TOKENS
+    assert tp2_results[0]["passes_on-sp"][:2] == ["applied"] * 2, tp2_results[0]["passes_on-reports"]
     assert "applied" not in tp2_results[0]["passes_off-sp"]
 
 
