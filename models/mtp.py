@@ -68,6 +68,11 @@ class MTPDrafter(nn.Module):
         a row-sharded state sharded into the drafter.
         """
         cfg = self.cfg
+        # Checking the widths also makes them constants under torch.compile(dynamic=True), which would else
+        # trace the state's widths as symbols: HC patterns, matched at fixed widths, would then not be found.
+        widths = tuple(state.shape[1:])
+        if widths not in ((cfg.n_streams, cfg.hidden), (cfg.streams_width,)):
+            raise ValueError(f"the HC state must be [T, {cfg.n_streams}, {cfg.hidden}] or [T, {cfg.streams_width}]")
         normed = grouped_rms_norm(state.flatten(1), self.input_norm_weight, cfg.streams_width, cfg.eps)
         embedded = F.linear(F.embedding(next_ids, self.embed), self.embed_proj)
         return normed + embedded.repeat(1, cfg.n_streams)

@@ -123,6 +123,26 @@ def test_drafter_step_matches_forward_and_shares_the_target_tables() -> None:
     torch.testing.assert_close(torch.cat([first[1], second[1]]), streams, rtol=1e-5, atol=1e-5)
 
 
+def test_drafter_checks_the_state_width() -> None:
+    _, drafter = agreeing_models(0, 1)
+    with pytest.raises(ValueError, match="HC state"):
+        drafter(torch.randn(4, CFG.streams_width + 1), random_ids(4, seed=15))
+
+
+def test_dynamic_compile_of_the_drafter_finds_its_hc_blocks() -> None:
+    """With dynamic=True the state's width would be traced as a symbol unless the drafter pins it."""
+    _, drafter = agreeing_models(0, 1)
+    torch._dynamo.reset()
+    be = hcpasses.backend()
+    with torch.no_grad(), torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+        torch.compile(drafter, backend=be, dynamic=True)(random_state(6, seed=16), random_ids(6, seed=17))
+    # attention HC, MLP HC, final mixer
+    assert (
+        be.reports[-1].record("gated_mean_quant").reason
+        == "3 HC collapse(s) found, none followed by a per-token FP8 quant"
+    )
+
+
 def test_drafter_input_is_row_local() -> None:
     _, drafter = agreeing_models(0, 1)
     state, ids = random_state(DRAFT_TOKENS, seed=8), random_ids(DRAFT_TOKENS, seed=9)
