@@ -456,28 +456,19 @@ class _Rewriter:
             *(e for _, e in region.entries),
         ]
         self.dims: dict[fx.Node, int] = {node: token_dims(_first_tensor(_val(node)), tokens) for node in touched}
-        self.start_sizes = self._start_sizes()
         self.stream_wide: set[str] = set()  # names of gathered values as wide as the streams
-        self.tokens, self.rows = self._token_sizes(tokens)
-
-    def _insert(self, target: Any, args: tuple, after: fx.Node | None = None) -> fx.Node:
-        """A new node right after ``after`` (or at the current insertion point)."""
-        if after is None:
-            return self.graph.call_function(target, args)
-        with self.graph.inserting_after(after):
-            return self.graph.call_function(target, args)
+        # The token sizes, N and R are computed right after the start, where every later use can read them.
+        with graph.inserting_before(region.start.next):
+            self.start_sizes = self._start_sizes()
+            self.tokens, self.rows = self._token_sizes(tokens)
 
     def _start_sizes(self) -> list[Any]:
         """The sizes of the start's token dims: ints, or ``sym_size`` nodes of the (unsharded) start."""
-        start, sizes, last = self.region.start, [], self.region.start
-        for dim, size in enumerate(_val(start).shape[: self.dims[start]]):
-            if isinstance(size, int):
-                sizes.append(size)
-            else:
-                last = self._insert(SYM_SIZE, (start, dim), after=last)
-                sizes.append(last)
-        self._last_size = last
-        return sizes
+        start = self.region.start
+        return [
+            size if isinstance(size, int) else self.graph.call_function(SYM_SIZE, (start, dim))
+            for dim, size in enumerate(_val(start).shape[: self.dims[start]])
+        ]
 
     def _token_sizes(self, tokens: Any) -> tuple[Any, Any]:
         """N and R = ceil(N/tp) as ints, or as graph nodes computing them when N is symbolic."""
@@ -485,11 +476,9 @@ class _Rewriter:
             return tokens, -(-tokens // self.tp)
         count, *others = self.start_sizes
         for size in others:
-            count = self._insert(operator.mul, (count, size), after=self._last_size)
-            self._last_size = count
-        plus = self._insert(operator.add, (count, self.tp - 1), after=self._last_size)
-        rows = self._insert(operator.floordiv, (plus, self.tp), after=plus)
-        return count, rows
+            count = self.graph.call_function(operator.mul, (count, size))
+        plus = self.graph.call_function(operator.add, (count, self.tp - 1))
+        return count, self.graph.call_function(operator.floordiv, (plus, self.tp))
 
     def _size_of(self, expr: Any) -> Any:
         """A token-dim size of some value, as an int or a node: one of the start's token sizes, or N."""
@@ -512,17 +501,12 @@ class _Rewriter:
     def apply(self) -> list[str]:
         region = self.region
         self._keep_token_sizes()
-        anchor = self.rows if isinstance(self.rows, fx.Node) else self._last_size
-        shard = self._insert(
-            torch.ops.hcpasses.shard_rows.default, (region.start, self.rank, self.tp, self.dims[region.start]), anchor
-        )
-        self._use_in_region(region.start, shard)
+        anchor = self.rows if isinstance(self.rows, fx.Node) else region.start
+        with self.graph.inserting_after(anchor):
+            self._use_in_region(region.start, self._shard(region.start))
         for node, operand in region.entries:
             with self.graph.inserting_before(node):
-                rows = self.graph.call_function(
-                    torch.ops.hcpasses.shard_rows.default, (operand, self.rank, self.tp, self.dims[operand])
-                )
-            node.replace_input_with(operand, rows)
+                node.replace_input_with(operand, self._shard(operand))
         for all_reduce, wait in region.reduces:
             self._reduce_scatter(all_reduce, wait)
         for node in region.nodes:
@@ -559,6 +543,12 @@ class _Rewriter:
                     for user in list(node.users):
                         user.args = fx.map_arg(user.args, lambda arg, old=node, new=size: new if arg is old else arg)
                     self.graph.erase_node(node)
+
+    def _shard(self, value: fx.Node) -> fx.Node:
+        """This rank's token rows of a full-size (replicated) value."""
+        return self.graph.call_function(
+            torch.ops.hcpasses.shard_rows.default, (value, self.rank, self.tp, self.dims[value])
+        )
 
     def _use_in_region(self, old: fx.Node, new: fx.Node) -> None:
         """Region nodes read ``new`` where they read ``old``; everything else keeps ``old``."""

@@ -225,25 +225,31 @@ def _roll_back_window(window: torch.Tensor | None, drop: int) -> torch.Tensor | 
 
 
 class HCDecoderLayer(nn.Module):
-    """[PLE] -> attention HC (mix, attention, combine) -> MLP HC (mix, MLP, combine)."""
+    """[PLE] -> attention HC (mix, attention, combine) -> MLP HC (mix, MLP, combine).
+
+    ``hc_class`` is the HC block: ``mix(h) -> (x, *weights)`` and ``combine(h, y, *weights)``; another HC
+    family (mHC) reuses the layer by overriding it.
+    """
+
+    hc_class: type[nn.Module] = HyperConnection
 
     def __init__(self, cfg: HCConfig, index: int, *, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         name = f"layers.{index}"
         self.ple = PLELayer(cfg, name=f"{name}.ple") if cfg.ple_layer == index else None
-        self.attn_hc = HyperConnection(cfg, name=f"{name}.attn_hc")
+        self.attn_hc = self.hc_class(cfg, name=f"{name}.attn_hc")
         self.attn = Attention(cfg, name=f"{name}.attn", tp_rank=tp_rank, tp_size=tp_size)
-        self.mlp_hc = HyperConnection(cfg, name=f"{name}.mlp_hc")
+        self.mlp_hc = self.hc_class(cfg, name=f"{name}.mlp_hc")
         self.mlp = MLP(cfg, name=f"{name}.mlp", tp_rank=tp_rank, tp_size=tp_size)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """Streams ``[T, n*S] -> [T, n*S]``."""
         if self.ple is not None:
             h = self.ple(h, input_ids)
-        x, logits = self.attn_hc.mix(h)
-        h = self.attn_hc.combine(h, self.attn(x, rope), logits)
-        x, logits = self.mlp_hc.mix(h)
-        return self.mlp_hc.combine(h, self.mlp(x), logits)
+        x, *weights = self.attn_hc.mix(h)
+        h = self.attn_hc.combine(h, self.attn(x, rope), *weights)
+        x, *weights = self.mlp_hc.mix(h)
+        return self.mlp_hc.combine(h, self.mlp(x), *weights)
 
     def step(
         self, h: torch.Tensor, input_ids: torch.Tensor, rope: torch.Tensor, cache: LayerCache
@@ -252,11 +258,11 @@ class HCDecoderLayer(nn.Module):
         window = cache.conv
         if self.ple is not None:
             h, window = self.ple.step(h, input_ids, cache.conv)
-        x, logits = self.attn_hc.mix(h)
+        x, *weights = self.attn_hc.mix(h)
         y, k, v = self.attn.step(x, rope, cache.k, cache.v)
-        h = self.attn_hc.combine(h, y, logits)
-        x, logits = self.mlp_hc.mix(h)
-        return self.mlp_hc.combine(h, self.mlp(x), logits), LayerCache(k, v, window)
+        h = self.attn_hc.combine(h, y, *weights)
+        x, *weights = self.mlp_hc.mix(h)
+        return self.mlp_hc.combine(h, self.mlp(x), *weights), LayerCache(k, v, window)
 
     def empty_cache(self, device: torch.device, dtype: torch.dtype) -> LayerCache:
         """The cache before the first token: no keys, and a zero PLE window (the conv's left padding)."""

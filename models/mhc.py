@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HCConfig
-from .decoder import MLP, Attention, HCDecoder, PLELayer
+from .decoder import HCDecoder, HCDecoderLayer
 from .tp import replicated_parameter, seeded_normal
 
 SINKHORN_ITERS = 3
@@ -120,26 +120,10 @@ class ManifoldHyperHead(nn.Module):
         return mhc_collapse(pre, h, self.n, self.hidden)
 
 
-class MHCDecoderLayer(nn.Module):
+class MHCDecoderLayer(HCDecoderLayer):
     """[PLE] -> attention mHC (mix, attention, combine) -> MLP mHC (mix, MLP, combine)."""
 
-    def __init__(self, cfg: HCConfig, index: int, *, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        name = f"layers.{index}"
-        self.ple = PLELayer(cfg, name=f"{name}.ple") if cfg.ple_layer == index else None
-        self.attn_hc = ManifoldHyperConnection(cfg, name=f"{name}.attn_hc")
-        self.attn = Attention(cfg, name=f"{name}.attn", tp_rank=tp_rank, tp_size=tp_size)
-        self.mlp_hc = ManifoldHyperConnection(cfg, name=f"{name}.mlp_hc")
-        self.mlp = MLP(cfg, name=f"{name}.mlp", tp_rank=tp_rank, tp_size=tp_size)
-
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """Streams ``[T, n*S] -> [T, n*S]``."""
-        if self.ple is not None:
-            h = self.ple(h, input_ids)
-        x, post, comb = self.attn_hc.mix(h)
-        h = self.attn_hc.combine(h, self.attn(x, rope), post, comb)
-        x, post, comb = self.mlp_hc.mix(h)
-        return self.mlp_hc.combine(h, self.mlp(x), post, comb)
+    hc_class = ManifoldHyperConnection
 
 
 class MHCDecoder(HCDecoder):

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import capture_ranks, simulate
+from harness import capture_ranks, count_calls, simulate
 
 from hcpasses.config import HCPassesConfig
 from hcpasses.manager import PassManager
@@ -41,10 +41,6 @@ def run_sharded(build: Any, args: tuple[torch.Tensor, ...], tp: int) -> tuple[li
     return outputs, reports[0].record("sp_rewrite"), graphs[0][0].gm
 
 
-def count(gm: torch.fx.GraphModule, target: Any) -> int:
-    return sum(1 for n in gm.graph.nodes if n.target is target)
-
-
 def ids(tokens: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(seed))
 
@@ -63,10 +59,10 @@ def test_fused_target_and_drafter_keep_the_state_sharded(tp: int, tokens: int, s
     assert sp.facts["entries_sharded"] == 1  # the drafter's projected embedding, where it joins the streams
     # The target's HC state is never gathered; the only stream-wide gather is the drafter's returned streams.
     assert sp.facts["streams_gathered"] == int(streams), sp
-    assert count(gm, c10d.all_reduce.default) == 0
-    assert count(gm, c10d.reduce_scatter_tensor.default) == 6  # 2 target layers (PLE first) + 1 drafter layer
+    assert count_calls(gm, c10d.all_reduce.default) == 0
+    assert count_calls(gm, c10d.reduce_scatter_tensor.default) == 6  # 2 target layers (PLE first) + 1 drafter layer
     # q + scale per sub-layer input (6), the two final mixers' x, the drafter's streams when returned
-    assert count(gm, c10d.all_gather_into_tensor.default) == 2 * 6 + 2 + int(streams)
+    assert count_calls(gm, c10d.all_gather_into_tensor.default) == 2 * 6 + 2 + int(streams)
 
 
 def test_separately_compiled_target_gathers_its_state_at_the_exit() -> None:

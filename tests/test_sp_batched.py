@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import capture_ranks, simulate
+from harness import capture_ranks, count_calls, simulate
 from harness.toy import BatchedHCModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,10 +65,6 @@ def with_ids(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor) -> 
     return values
 
 
-def count(gm: torch.fx.GraphModule, target: Any) -> int:
-    return sum(1 for n in gm.graph.nodes if n.target is target)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "tp{}-mix{}-state{}-fp8{}-dyn{}".format(*c))
 @settings(max_examples=6, deadline=None)
 @given(batch=st.integers(1, 3), seq=st.integers(2, 9), seed=st.integers(0, 2**16))
@@ -76,7 +72,7 @@ def test_batched_streams_are_sharded_and_match_eager(case: tuple, batch: int, se
     tp, mix, state, fp8, dynamic = case
     shape = EXAMPLE if dynamic else (batch, seq)
     graphs, inputs, reports = captured(case, *shape)
-    ids = torch.randint(0, 64, shape if not dynamic else (batch, seq), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(seed))
     outputs = simulate(graphs, [with_ids(inputs[r], graphs[r], ids) for r in range(tp)])
     with torch.no_grad():
         expected = BatchedHCModel(config(fp8), mix, state)(ids)  # no process group: one device
@@ -88,10 +84,10 @@ def test_batched_streams_are_sharded_and_match_eager(case: tuple, batch: int, se
     sharded_layers = 2 - (mix or 0)
     sp = reports[0].record("sp_rewrite")
     assert sp.applied == 2 * sharded_layers + 1, reports[0]
-    assert count(graphs[0], c10d.reduce_scatter_tensor.default) == 2 * sharded_layers
-    assert count(graphs[0], c10d.all_reduce.default) == 2 * (mix or 0)
+    assert count_calls(graphs[0], c10d.reduce_scatter_tensor.default) == 2 * sharded_layers
+    assert count_calls(graphs[0], c10d.all_reduce.default) == 2 * (mix or 0)
     gathers = 2 * sharded_layers * (2 if fp8 else 1) + 1 + int(state)
-    assert count(graphs[0], c10d.all_gather_into_tensor.default) == gathers
+    assert count_calls(graphs[0], c10d.all_gather_into_tensor.default) == gathers
     assert reports[0].applied["gated_mean_quant"] == (4 if fp8 else 0)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import capture_ranks, simulate
+from harness import capture_ranks, count_calls, simulate
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -93,10 +93,6 @@ def reference_model(cfg: HCConfig) -> HCDecoder:
     return HCDecoder(cfg, tp_rank=0, tp_size=1)
 
 
-def count(gm: torch.fx.GraphModule, target: Any) -> int:
-    return sum(1 for n in gm.graph.nodes if n.target is target)
-
-
 def expected_collectives(case: Case) -> dict[str, int]:
     if case.tp == 1:
         return {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
@@ -166,9 +162,9 @@ def test_sharded_graph_matches_single_device_eager(case: Case, tokens: int, stat
         for got, want in zip(rank_outputs, expected, strict=True):
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     counts = {
-        "all_reduce": count(graphs[0], c10d.all_reduce.default),
-        "reduce_scatter": count(graphs[0], c10d.reduce_scatter_tensor.default),
-        "all_gather": count(graphs[0], c10d.all_gather_into_tensor.default),
+        "all_reduce": count_calls(graphs[0], c10d.all_reduce.default),
+        "reduce_scatter": count_calls(graphs[0], c10d.reduce_scatter_tensor.default),
+        "all_gather": count_calls(graphs[0], c10d.all_gather_into_tensor.default),
     }
     assert counts == expected_collectives(case), reports[0]
     sp = reports[0].record("sp_rewrite")
@@ -199,5 +195,5 @@ def test_mhc_family_is_sharded_and_matches_eager(tp: int, tokens: int, fp8: bool
     sp = reports[0].record("sp_rewrite")
     sharded_layers = cfg.n_layers - (ple or 0)
     assert sp.applied == 2 * sharded_layers + 1, reports[0]
-    assert count(graphs[0][0].gm, c10d.reduce_scatter_tensor.default) == 2 * sharded_layers
+    assert count_calls(graphs[0][0].gm, c10d.reduce_scatter_tensor.default) == 2 * sharded_layers
     assert reports[0].applied["gated_mean_quant"] == (2 * cfg.n_layers if fp8 else 0)

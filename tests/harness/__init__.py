@@ -6,6 +6,7 @@ from .capture import (
     capture_post_grad,
     capture_ranks,
     check_inputs,
+    count_calls,
     fake_process_group,
     simulate_captured,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "capture_post_grad",
     "capture_ranks",
     "check_inputs",
+    "count_calls",
     "fake_process_group",
     "simulate",
     "simulate_captured",

@@ -325,3 +325,8 @@ def simulate_captured(captures: Sequence[CapturedGraph], *, call: int = 0, timeo
         if call >= len(capture.calls):
             raise CaptureError(f"rank {capture.rank} recorded {len(capture.calls)} call(s), no call #{call}")
     return simulate([c.gm for c in captures], [c.calls[call] for c in captures], timeout_s)
+
+
+def count_calls(gm: torch.fx.GraphModule, target: Any) -> int:
+    """How many nodes of ``gm`` call ``target`` (e.g. a collective)."""
+    return sum(1 for n in gm.graph.nodes if n.target is target)
