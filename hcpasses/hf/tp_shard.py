@@ -39,6 +39,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from models.fp8 import Fp8Linear
+from models.tp import resolve_tp
 
 HeadLayout = Sequence[tuple[int, int]]  # (number of heads, rows per head) for each part of a fused output
 
@@ -68,15 +69,11 @@ def shard_for_tp(model: nn.Module, tp_rank: int | None = None, tp_size: int | No
 
 
 def _resolve_tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
-    """The explicit rank and size, or the default process group's."""
-    if tp_rank is None or tp_size is None:
-        if not dist.is_initialized():
-            raise ValueError("pass tp_rank and tp_size, or initialise the default process group first")
-        tp_rank = dist.get_rank() if tp_rank is None else tp_rank
-        tp_size = dist.get_world_size() if tp_size is None else tp_size
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
-    return tp_rank, tp_size
+    """The explicit rank and size, or the default process group's (``models.tp.resolve_tp``); unlike the
+    models, which run unsharded without a group, sharding without either is an error."""
+    if (tp_rank is None or tp_size is None) and not dist.is_initialized():
+        raise ValueError("pass tp_rank and tp_size, or initialise the default process group first")
+    return resolve_tp(tp_rank, tp_size)
 
 
 def _all_reduce_hook(group: Any) -> Any:
