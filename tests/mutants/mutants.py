@@ -1,0 +1,133 @@
+"""Deliberate faults the test suite must kill (run by ``tests/mutants/run.py``).
+
+Each mutant is one realistic bug in one file: the exact source snippet ``old`` (it must occur exactly once
+in ``file``, or the mutant is stale and the runner fails saying so) is replaced by ``new``. ``tests`` are
+the pytest node ids (and ``k`` an optional ``-k`` expression) that must fail on the mutated tree: a cheap
+selection of the fastest tests that kill it, not the whole suite. A mutant that the selection does not
+kill is a missing test, never a reason to weaken the mutant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    fault: str  # one line: what is wrong in the mutated code
+    file: str  # relative to the repository root
+    old: str  # exact snippet, must occur exactly once in ``file``
+    new: str  # its replacement
+    tests: tuple[str, ...]  # pytest node ids (or files) that must fail
+    k: str | None = None  # optional ``-k`` expression narrowing ``tests``
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        name="fusion_reports_but_restores",
+        fault="the fusion pass counts and reports its matches, then puts the graph back as it was (nothing fused)",
+        file="hcpasses/fusions/gated_mean_quant.py",
+        old="""        fused = self._fuser.apply(graph)
+""",
+        new="""        from hcpasses.verify import restore_graph, snapshot_graph
+
+        snapshot = snapshot_graph(graph)
+        fused = self._fuser.apply(graph)
+        restore_graph(graph, snapshot)  # a dry run left in: the matches are counted, the rewrite undone
+""",
+        tests=(
+            "tests/test_mutant_killers.py::test_fused_op_is_in_the_graph_and_the_graph_computes_the_op",
+            "tests/test_mtp_sp.py::test_fused_target_and_drafter_keep_the_state_sharded[2-11-True]",
+        ),
+    ),
+    Mutant(
+        name="sp_fp8_scales_through_bf16",
+        fault="the SP all-gather sends the fp32 per-token FP8 scales as bf16 (rounded before the gather)",
+        file="hcpasses/sp_rewrite.py",
+        old="""            source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
+            flat = self._flatten_tokens(source, k)
+            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, self.group))
+            waited = self.graph.call_function(WAIT, (gathered,))
+""",
+        new="""            source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
+            scales = val.dtype == torch.float32 and val.shape[-1] == 1  # per-token scales: half the bytes as bf16
+            if scales:
+                source = self.graph.call_function(prims.convert_element_type.default, (source, torch.bfloat16))
+            flat = self._flatten_tokens(source, k)
+            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, self.group))
+            waited = self.graph.call_function(WAIT, (gathered,))
+            if scales:
+                waited = self.graph.call_function(prims.convert_element_type.default, (waited, torch.float32))
+""",
+        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_eager[2-9-True-None]",),
+    ),
+    Mutant(
+        name="sp_gather_no_trim",
+        fault="the gather after all_gather keeps the pad rows (R*tp rows instead of T)",
+        file="hcpasses/sp_rewrite.py",
+        old="""            full = self.graph.call_function(aten.slice.Tensor, (waited, 0, 0, self.tokens))
+""",
+        new="""            full = waited
+""",
+        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_eager[2-9-True-None]",),
+    ),
+    Mutant(
+        name="sp_pad_not_zero",
+        fault="shard_rows fills the pad rows of the last shard with ones instead of zeros",
+        file="hcpasses/rows.py",
+        old="""    out = flat.new_zeros((rows, *flat.shape[1:]))
+""",
+        new="""    out = flat.new_ones((rows, *flat.shape[1:]))
+""",
+        tests=("tests/test_mutant_killers.py::test_shard_rows_is_this_ranks_block_zero_padded",),
+    ),
+    Mutant(
+        name="sp_reduce_scatter_wrong_dim",
+        fault="the reduce-scatter splits the rows interleaved (rank r gets rows r, r+tp, ...) instead of in blocks",
+        file="hcpasses/sp_rewrite.py",
+        old="""            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
+""",
+        new="""            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
+            rest = shape[self.dims[partial] :]
+            blocks = self.graph.call_function(aten.reshape.default, (padded, [self.rows, self.tp, *rest]))
+            swapped = self.graph.call_function(aten.transpose.int, (blocks, 0, 1))
+            padded = self.graph.call_function(aten.reshape.default, (swapped, [-1, *rest]))
+""",
+        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_eager[2-9-True-None]",),
+    ),
+    Mutant(
+        name="quant_wrong_clamp",
+        fault="the fused op's CPU reference clamps the FP8 codes to +-240 (the e4m3fnuz range) instead of +-448",
+        file="hcpasses/kernels/gated_mean_quant.py",
+        old="""    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+""",
+        new="""    q = torch.clamp(xf / scale, -240.0, 240.0).to(FP8_DTYPE)
+""",
+        tests=("tests/test_kernels.py::test_quant_epilogue_bit_exact_with_models_fp8",),
+    ),
+    Mutant(
+        name="shard_rows_wrong_rank",
+        fault="shard_rows hands each rank the rows of the mirrored rank (tp-1-rank)",
+        file="hcpasses/rows.py",
+        old="""    piece = flat[rank * rows : (rank + 1) * rows]
+""",
+        new="""    piece = flat[(world_size - 1 - rank) * rows : (world_size - rank) * rows]
+""",
+        tests=(
+            "tests/test_mutant_killers.py::test_shard_rows_is_this_ranks_block_zero_padded",
+            "tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_eager[2-9-True-None]",
+        ),
+    ),
+    Mutant(
+        name="quant_of_unrounded_x",
+        fault="the fused gated mean quantises its fp32 accumulator instead of x rounded to the activation dtype",
+        file="hcpasses/kernels/gated_mean_quant.py",
+        old="""    return _with_quant(_ieee_div(_fixed_order_sum(terms), n_streams).to(xn.dtype))
+""",
+        new="""    mean = _ieee_div(_fixed_order_sum(terms), n_streams)
+    return (mean.to(xn.dtype), *quant_epilogue_reference(mean))
+""",
+        tests=("tests/test_kernels.py::test_op_matches_contract_formula_and_models_quant",),
+    ),
+)
