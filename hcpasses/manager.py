@@ -106,8 +106,13 @@ class PassManager(CustomGraphPass):
             result = graph_pass.run(graph, self.config)
             seconds = time.perf_counter() - start  # the pass alone, not the checks
             after = graph_code(graph)
+            # The report must be the graph's truth both ways: a count with no change, or a change with no
+            # count, is a pass whose report cannot be trusted.
             if after != before and not result.applied:
                 raise GraphVerificationError("the pass changed the graph but reported 0 rewrites")
+            if after == before and result.applied:
+                count = result.applied
+                raise GraphVerificationError(f"the pass reported {count} rewrite(s) but left the graph unchanged")
             if after != before:
                 verify_graph(graph)  # an unchanged graph needs no check (and fake propagation is not cheap)
         except Exception as err:  # a failing pass must never fail the compile: roll it back

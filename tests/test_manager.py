@@ -87,6 +87,15 @@ class SilentChange(GraphPass):
         return PassResult(applied=0, reason="nothing to do")
 
 
+class CountWithoutChange(GraphPass):
+    """Reports rewrites but leaves the graph as it was: a report that lies, rolled back."""
+
+    name = "sp_rewrite"
+
+    def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
+        return PassResult(applied=3)
+
+
 class CountCalls(GraphPass):
     name = "gated_mean_quant"
 
@@ -157,6 +166,7 @@ def test_unchanged_pass_reports_its_reason() -> None:
         (SwapReluForAbsThenRaise(), "RuntimeError: no HC block here to shard"),
         (BreakShapes(), "node"),
         (SilentChange(), "changed the graph but reported 0 rewrites"),
+        (CountWithoutChange(), "reported 3 rewrite(s) but left the graph unchanged"),
     ],
 )
 @pytest.mark.parametrize("dynamic", [False, True])

@@ -10,7 +10,7 @@ from .capture import (
     fake_process_group,
     simulate_captured,
 )
-from .simulator import CollectiveMismatchError, CollectiveTimeoutError, simulate
+from .simulator import CollectiveMismatchError, CollectiveTimeoutError, simulate, simulate_compiled
 
 __all__ = [
     "CaptureError",
@@ -24,4 +24,5 @@ __all__ = [
     "fake_process_group",
     "simulate",
     "simulate_captured",
+    "simulate_compiled",
 ]

@@ -34,7 +34,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .simulator import simulate
+from .simulator import simulate, simulate_compiled
 
 __all__ = [
     "CaptureError",
@@ -72,6 +72,7 @@ class CapturedGraph:
     calls: list[list[Any]]
     rank: int = 0
     tp: int = 1
+    compiled: Callable[..., Any] | None = None  # Inductor's generated code for gm (captures with codegen)
 
     @property
     def inputs(self) -> list[Any]:
@@ -130,11 +131,24 @@ class _Recorded(Exception):
     """Raised by a stopping RecordingPass once the graph is recorded."""
 
 
+def _caused_by_stop(err: BaseException) -> bool:
+    """Whether ``err`` is, or wraps (as ``__cause__`` / ``__context__``), the recorder's stop signal."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, _Recorded):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 @dataclass
 class _Compiled:
     """What one call of the capturing backend produced."""
 
     graphs: list[torch.fx.GraphModule]
+    compiled: Callable[..., Any] | None = None  # Inductor's generated code (None without codegen)
     calls: list[list[Any]] = field(default_factory=list)
 
 
@@ -157,13 +171,15 @@ class _CapturingBackend:
         from torch._inductor.compile_fx import compile_fx  # imported late: importing Inductor is slow
 
         before = len(self.recorder.graphs)
+        generated = True
         try:
             compiled = compile_fx(gm, list(example_inputs), config_patches=self.patches)
-        except Exception:  # Inductor wraps what its passes raise (InductorError on 2.13)
-            if not (self.recorder.stop and len(self.recorder.graphs) > before):
+        except Exception as err:  # Inductor wraps what its passes raise (InductorError on 2.13)
+            # Only the recorder's own stop signal is expected; anything else is a real failure.
+            if not (self.recorder.stop and len(self.recorder.graphs) > before and _caused_by_stop(err)):
                 raise
-            compiled = gm.forward  # without codegen, the capture run itself runs Dynamo's graph eagerly
-        entry = _Compiled(graphs=self.recorder.graphs[before:])
+            compiled, generated = gm.forward, False  # the capture run itself runs Dynamo's graph eagerly
+        entry = _Compiled(graphs=self.recorder.graphs[before:], compiled=compiled if generated else None)
         self.compiled.append(entry)
 
         def run(*args: Any) -> Any:
@@ -286,7 +302,7 @@ def _results(entries: Sequence[_Compiled], rank: int, tp: int) -> list[CapturedG
             raise CaptureError(f"compiled graph #{i} was never called during the capture")
         for call in entry.calls:
             check_inputs(entry.graphs[0], call)
-        captured.append(CapturedGraph(gm=entry.graphs[0], calls=entry.calls, rank=rank, tp=tp))
+        captured.append(CapturedGraph(gm=entry.graphs[0], calls=entry.calls, rank=rank, tp=tp, compiled=entry.compiled))
     return captured
 
 
@@ -319,12 +335,24 @@ def capture_ranks(
     return per_rank
 
 
-def simulate_captured(captures: Sequence[CapturedGraph], *, call: int = 0, timeout_s: float = 60) -> list:
-    """:func:`simulate` one graph per rank (``captures[r]`` is rank r's) on the inputs of call ``call``."""
+def simulate_captured(
+    captures: Sequence[CapturedGraph], *, call: int = 0, generated: bool = False, timeout_s: float = 60
+) -> list:
+    """:func:`simulate` one graph per rank (``captures[r]`` is rank r's) on the inputs of call ``call``.
+
+    ``generated=True`` runs Inductor's generated code of each graph instead of its FX graph (the captures
+    must have been made with ``codegen=True``).
+    """
     for capture in captures:
         if call >= len(capture.calls):
             raise CaptureError(f"rank {capture.rank} recorded {len(capture.calls)} call(s), no call #{call}")
-    return simulate([c.gm for c in captures], [c.calls[call] for c in captures], timeout_s)
+    inputs = [c.calls[call] for c in captures]
+    if not generated:
+        return simulate([c.gm for c in captures], inputs, timeout_s)
+    missing = [c.rank for c in captures if c.compiled is None]
+    if missing:
+        raise CaptureError(f"ranks {missing} were captured without codegen: no generated code to run")
+    return simulate_compiled([c.compiled for c in captures], inputs, timeout_s)
 
 
 def count_calls(gm: torch.fx.GraphModule, target: Any) -> int:

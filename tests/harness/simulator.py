@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "COLLECTIVE_NAMESPACES",
@@ -38,6 +39,7 @@ __all__ = [
     "is_collective",
     "reduce_in_rank_order",
     "simulate",
+    "simulate_compiled",
 ]
 
 # Op namespaces whose ops talk to other ranks. An op from one of these that has no handler below is
@@ -436,6 +438,19 @@ class _Hub:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _run_collective(hub: _Hub, rank: int, where: str, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """One rank's collective ``name`` (a wait or a known collective): exchanged through the hub."""
+    if name in _WAIT_OPS:
+        return args[0] if args else kwargs["tensor"]
+    call = _Call(rank=rank, node=where, op=name, **_PARSERS[name](args, kwargs))
+    results = hub.exchange(call)
+    if call.out is not None:
+        for dst, src in zip(call.out, results, strict=True):
+            dst.copy_(src)
+        results = call.out
+    return results if call.coalesced else results[0]
+
+
 class _RankInterpreter(torch.fx.Interpreter):
     """``fx.Interpreter`` that sends collectives to the hub and treats ``wait_tensor`` as the identity."""
 
@@ -451,17 +466,46 @@ class _RankInterpreter(torch.fx.Interpreter):
 
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = collective_name(target)
-        if name in _WAIT_OPS:
-            return args[0] if args else kwargs["tensor"]
-        if name not in _PARSERS:
+        if name not in _PARSERS and name not in _WAIT_OPS:
             return super().call_function(target, args, kwargs)
-        call = _Call(rank=self.rank, node=self.node_name, op=name, **_PARSERS[name](args, kwargs))
-        results = self.hub.exchange(call)
-        if call.out is not None:
-            for dst, src in zip(call.out, results, strict=True):
-                dst.copy_(src)
-            results = call.out
-        return results if call.coalesced else results[0]
+        return _run_collective(self.hub, self.rank, self.node_name, name, args, kwargs)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self.run(*inputs)
+
+
+class _HubMode(TorchDispatchMode):
+    """Routes the collectives that compiled code issues (through the dispatcher) to the hub.
+
+    Inductor's generated code calls collectives as ``torch.ops._c10d_functional.*`` ops; every other op
+    runs as it is. Dispatch modes are thread-local, so each virtual rank's thread has its own.
+    """
+
+    def __init__(self, rank: int, hub: _Hub) -> None:
+        super().__init__()
+        self.rank, self.hub, self.issued = rank, hub, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = collective_name(func)
+        if name in _PARSERS or name in _WAIT_OPS:
+            self.issued += name in _PARSERS
+            return _run_collective(self.hub, self.rank, f"compiled collective #{self.issued}", name, args, kwargs or {})
+        if is_collective(func):
+            raise NotImplementedError(
+                f"simulate: collective {name} in compiled code (rank {self.rank}) is not supported"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+class _CompiledRank:
+    """One rank's compiled callable, run with its collectives resolved through the hub."""
+
+    def __init__(self, fn: Callable[..., Any], rank: int, hub: _Hub) -> None:
+        self.fn, self.rank, self.hub = fn, rank, hub
+
+    def __call__(self, *inputs: Any) -> Any:
+        with _HubMode(self.rank, self.hub):
+            return self.fn(*inputs)
 
 
 @dataclass
@@ -480,17 +524,17 @@ def _flatten(value: Any) -> list[Any]:
     return [value]
 
 
-def _run_rank(interp: _RankInterpreter, inputs: Sequence[Any], outcome: _Outcome) -> None:
+def _run_rank(runner: _RankInterpreter | _CompiledRank, inputs: Sequence[Any], outcome: _Outcome) -> None:
     """Thread body: run one rank's graph without grad; record its outputs or its error."""
     try:
         with torch.no_grad():
-            outcome.outputs = _flatten(interp.run(*inputs))
+            outcome.outputs = _flatten(runner(*inputs))
     except BaseException as err:  # reported by simulate
         outcome.error = err
-        interp.hub.abort()
+        runner.hub.abort()
     finally:
         outcome.done = True
-        interp.hub.finish(interp.rank)
+        runner.hub.finish(runner.rank)
 
 
 def _first_error(outcomes: Sequence[_Outcome]) -> tuple[int, BaseException] | None:
@@ -517,22 +561,45 @@ def simulate(
     passes), ``NotImplementedError`` (an unknown collective or reduce op), or the first error a rank
     raised (with a note naming the rank).
     """
-    tp = len(graphs)
-    if tp < 1 or len(inputs) != tp:
-        raise ValueError(f"need one input list per graph, got {tp} graphs and {len(inputs)} input lists")
     for rank, gm in enumerate(graphs):
         _check_supported(gm, rank)
+    return _simulate_runners(graphs, inputs, timeout_s, _RankInterpreter)
+
+
+def simulate_compiled(
+    compiled: Sequence[Callable[..., Any]],
+    inputs: Sequence[Sequence[Any]],
+    timeout_s: float = 120,
+) -> list[list[Any]]:
+    """Like :func:`simulate`, but each rank runs Inductor's generated code for its graph (``compiled[r]``).
+
+    The collectives the generated code issues go through the dispatcher; a per-thread dispatch mode sends
+    them to the same meeting point as :func:`simulate`, with the same rank-order reductions, so the
+    generated code of a rewritten graph is checked, not only its FX graph.
+    """
+    return _simulate_runners(compiled, inputs, timeout_s, _CompiledRank)
+
+
+def _simulate_runners(
+    programs: Sequence[Any],
+    inputs: Sequence[Sequence[Any]],
+    timeout_s: float,
+    runner: Callable[[Any, int, _Hub], _RankInterpreter | _CompiledRank],
+) -> list[list[Any]]:
+    tp = len(programs)
+    if tp < 1 or len(inputs) != tp:
+        raise ValueError(f"need one input list per graph, got {tp} graphs and {len(inputs)} input lists")
     deadline = time.monotonic() + timeout_s
     hub = _Hub(tp, deadline, timeout_s)
     outcomes = [_Outcome() for _ in range(tp)]
     threads = [
         threading.Thread(
             target=_run_rank,
-            args=(_RankInterpreter(gm, rank, hub), list(inputs[rank]), outcomes[rank]),
+            args=(runner(program, rank, hub), list(inputs[rank]), outcomes[rank]),
             name=f"virtual-rank-{rank}",
             daemon=True,  # a rank stuck in compute must not keep the process alive
         )
-        for rank, gm in enumerate(graphs)
+        for rank, program in enumerate(programs)
     ]
     for thread in threads:
         thread.start()

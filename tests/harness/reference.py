@@ -1,0 +1,109 @@
+"""The references a rewritten graph is judged against, and checks that read the graph, not the report.
+
+The SP rewrite changes which token rows a rank computes, never how a row is computed. So its first
+reference is the *same* TP graph captured with SP off, run on the same simulator: every output must be
+bit-identical in bf16 / fp16. In fp32 a GEMM over R rows instead of T may block its sums differently on
+the CPU, which moves the last bits: there the bound is 1e-6 (absolute and relative). FP8 codes are
+computed from those values, so they are exact in bf16 models; an fp32 model with FP8 may flip a code
+whose input sits on a rounding boundary, which the 1e-6 bound on the outputs would show, so such a model
+gets the FP8 bound below. Eager single-device runs remain a second, looser check of the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hcpasses.config import HCPassesConfig
+from hcpasses.manager import PassManager
+from hcpasses.report import GraphReport
+
+from .capture import capture_ranks, count_calls
+
+c10d = torch.ops._c10d_functional
+FUSED_OPS = (torch.ops.hcpasses.gated_mean_quant.default, torch.ops.hcpasses.weighted_sum_quant.default)
+FP32_BOUND = 1e-6
+
+
+@dataclasses.dataclass
+class RankGraphs:
+    """Each rank's first post-grad graph after the passes, its captured inputs, and the passes' reports."""
+
+    graphs: list[torch.fx.GraphModule]
+    inputs: list[list[Any]]
+    reports: list[GraphReport]
+    compiled: list[Callable[..., Any] | None]
+
+    @property
+    def report(self) -> GraphReport:
+        """Rank 0's report of its first graph."""
+        return self.reports[0]
+
+
+def capture_with_passes(
+    build_fn: Callable[[int, int], Callable[..., Any]],
+    args_fn: Callable[[int, int], Sequence[Any]],
+    tp: int,
+    config: HCPassesConfig,
+    **capture_kwargs: Any,
+) -> RankGraphs:
+    """Every rank's post-grad graph after the passes of ``config`` (see :func:`capture_ranks`)."""
+    reports: list[GraphReport] = []
+    manager = PassManager(config, reports.append)
+    patches = {**capture_kwargs.pop("config_patches", {}), "post_grad_custom_pre_pass": manager}
+    captures = capture_ranks(build_fn, args_fn, tp, config_patches=patches, **capture_kwargs)
+    return RankGraphs(
+        graphs=[c[0].gm for c in captures],
+        inputs=[c[0].inputs for c in captures],
+        reports=reports,
+        compiled=[c[0].compiled for c in captures],
+    )
+
+
+def sp_off(config: HCPassesConfig) -> HCPassesConfig:
+    """The same configuration with the SP rewrite off: the TP graph SP is compared against."""
+    return dataclasses.replace(config, sp_rewrite=False)
+
+
+def assert_same_as_sp_off(sharded: Sequence[Any], unsharded: Sequence[Any], *, fp32_fp8: bool = False) -> None:
+    """One rank's outputs with SP against the same rank's outputs of the SP-off graph.
+
+    bf16 / fp16 / integer outputs: bit-identical. fp32: within 1e-6; with ``fp32_fp8`` (an fp32 model whose
+    sub-layer inputs are FP8-quantised) a code on a rounding boundary may flip, moving a sub-layer input
+    by one e4m3 step, so the bound is the FP8 one (3e-2) and at most 1 % of the values may exceed 1e-6.
+    """
+    assert len(sharded) == len(unsharded), (len(sharded), len(unsharded))
+    for index, (got, want) in enumerate(zip(sharded, unsharded, strict=True)):
+        assert got.shape == want.shape and got.dtype == want.dtype, (index, got.shape, want.shape)
+        if got.dtype != torch.float32:
+            assert torch.equal(got, want), f"output {index} ({got.dtype}) differs from SP off: {_worst(got, want)}"
+        elif not fp32_fp8:
+            torch.testing.assert_close(got, want, rtol=FP32_BOUND, atol=FP32_BOUND, msg=f"output {index}")
+        else:
+            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2, msg=f"output {index}")
+            off = (got - want).abs() > FP32_BOUND * (1 + want.abs())
+            assert float(off.float().mean()) <= 0.01, f"output {index}: {float(off.float().mean()):.3%} off"
+
+
+def _worst(got: torch.Tensor, want: torch.Tensor) -> str:
+    if not got.is_floating_point():
+        return f"{int((got != want).sum())} elements differ"
+    diff = (got.double() - want.double()).abs()
+    return f"max |diff| {float(diff.max()):.3g} at {tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])}"
+
+
+def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """How many all-reduces, reduce-scatters and all-gathers the graph issues."""
+    return {
+        "all_reduce": count_calls(gm, c10d.all_reduce.default),
+        "reduce_scatter": count_calls(gm, c10d.reduce_scatter_tensor.default),
+        "all_gather": count_calls(gm, c10d.all_gather_into_tensor.default),
+    }
+
+
+def fused_op_count(gm: torch.fx.GraphModule) -> int:
+    """How many fused collapse + quant ops the graph holds."""
+    return sum(count_calls(gm, op) for op in FUSED_OPS)
