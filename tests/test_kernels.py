@@ -2,8 +2,9 @@
 
 Two parts:
 
-- The custom ops on CPU (their torch reference): fake implementations, the math against a float64
-  formula, and the quant part bit-exact against :func:`models.fp8.quantize_per_token`.
+- The custom ops on CPU (their torch reference): fake implementations; x, q and scale bit-exact against
+  :func:`_contract_outputs`, a reference written here from the contract (DESIGN §5) and sharing no code
+  with the ops; x also against a float64 formula and the quant against :func:`models.fp8.quantize_per_token`.
 - :class:`TestTritonKernels`: the Triton kernels against the torch reference — q and scale bit-exact given
   the kernel's own x, x within one ulp of its dtype — for each exact arithmetic path of the device
   (:func:`_paths`: compiled, hardware casts + FMA division and the interpreter's integer rounding +
@@ -29,6 +30,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hcpasses.kernels import gated_mean_quant as ops
@@ -197,6 +199,58 @@ def _assert_x_close(x: torch.Tensor, expected: torch.Tensor, fp32_error: torch.T
     assert (err <= bound).all(), f"x off by {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g} at {worst}"
 
 
+def _contract_collapse(op: str, streams: torch.Tensor, gates: torch.Tensor, n: int) -> torch.Tensor:
+    """x as the contract defines it (DESIGN §5, ATOM's convention), written independently of the ops' code.
+
+    fp32 terms (gated mean: ``sigmoid(u_s) * xn_s``; mHC: ``w[:, s] * h_s``), summed in stream order
+    s = 0..n-1, the gated mean's sum divided by n, then one rounding to the streams' dtype.
+    """
+    hidden = streams.shape[1] // n
+    columns = [slice(s * hidden, (s + 1) * hidden) for s in range(n)]
+    values = streams.float()
+    if op == "gated_mean_quant":
+        gate = torch.sigmoid(gates.float())
+        terms = [gate[:, c] * values[:, c] for c in columns]
+    else:
+        weights = gates.float()
+        terms = [weights[:, s : s + 1] * values[:, c] for s, c in enumerate(columns)]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    if op == "gated_mean_quant":
+        total = total / n
+    return total.to(streams.dtype)
+
+
+def _contract_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token FP8 quant of DESIGN §5, written independently of the ops' and models.fp8's code.
+
+    amax of the (already rounded) x; ``scale = max(amax / 448, 1 / (448 * 512))`` rounded once to fp32;
+    ``q = clamp(x / scale, ±448)`` with ``x / scale`` rounded once to fp32, cast round-to-nearest-even to
+    e4m3. The divisions run in float64 and are then rounded to fp32: for a quotient of fp32 values that
+    gives the correctly rounded fp32 quotient (53 >= 2 * 24 + 2 bits), whatever division torch does in fp32.
+    """
+    x64 = x.double()
+    amax = x64.abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(amax / 448.0, min=1.0 / (448.0 * 512.0)).float()
+    ratio = (x64 / scale.double()).float().clamp(-448.0, 448.0)
+    return ratio.to(torch.float8_e4m3fn), scale
+
+
+def _contract_outputs(op: str, streams: torch.Tensor, gates: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """``(x, q, scale)`` of the contract for the op's inputs."""
+    x = _contract_collapse(op, streams.cpu(), gates.cpu(), n)
+    return (x, *_contract_quant(x))
+
+
+def _assert_bit_exact(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    """Each output has the dtype, shape and bits of the expected one (so -0.0 is not 0.0)."""
+    for name, g, w in zip(("x", "q", "scale")[-len(want) :], got, want, strict=True):
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), f"{name}: {g.dtype} {tuple(g.shape)}"
+        same = g.cpu().view(torch.uint8) == w.view(torch.uint8)
+        assert same.all(), f"{name}: {int((~same).sum())} bytes differ"
+
+
 def _assert_quant_matches(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero_rows: list[int]) -> None:
     """q and scale bit-exact against the quant reference applied to ``x``; zero rows: floor scale, zero codes."""
     assert q.dtype == ops.FP8_DTYPE and q.shape == x.shape
@@ -220,15 +274,19 @@ def test_constants_follow_models_fp8() -> None:
 
 @pytest.mark.parametrize("op", list(OPS))
 @given(case=cases(max_elements=30_000))
-def test_op_matches_formula_and_models_quant(op: str, case: Case) -> None:
-    """CPU op: x within 1 ulp of the float64 formula; q, scale bit-exact against ``quantize_per_token(x)``."""
+def test_op_matches_contract_formula_and_models_quant(op: str, case: Case) -> None:
+    """CPU op: x, q, scale bit-exact against the contract reference (on CPU the op must round exactly as the
+    contract says, so exact, not 1 ulp); x also within 1 ulp of the float64 formula; q, scale bit-exact
+    against ``quantize_per_token(x)`` (the unfused path); zero rows: floor scale, zero codes."""
     streams, gates, zero = case.inputs(op, "cpu")
     x, q, scale = OPS[op][0](streams, gates, case.n_streams)
     assert x.dtype == case.dtype and x.shape == (case.tokens, case.hidden)
+    _assert_bit_exact((x, q, scale), _contract_outputs(op, streams, gates, case.n_streams))
     _assert_x_close(x, *_formula_x(op, streams, gates, case.n_streams))
     q_ref, scale_ref = fp8.quantize_per_token(x)
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    _assert_quant_matches(x, q, scale, zero)
+    floor = torch.tensor(ops.MIN_SCALE, dtype=torch.float32)
+    assert (scale[zero] == floor).all() and (q[zero].float() == 0).all()
 
 
 @given(
@@ -246,6 +304,7 @@ def test_quant_epilogue_bit_exact_with_models_fp8(
     x = (rows * scales).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
     x[0] = 0.0
     q, scale = quant_epilogue_reference(x)
+    _assert_bit_exact((q, scale), _contract_quant(x))  # the Triton tests' oracle is the contract's quant
     q_ref, scale_ref = fp8.quantize_per_token(x)
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert scale[0].item() == torch.tensor(ops.MIN_SCALE, dtype=torch.float32).item() and not q[0].float().any()
@@ -273,12 +332,17 @@ def test_fake_impl_shapes(op: str) -> None:
 
 @pytest.mark.parametrize("op", list(OPS))
 def test_dynamic_token_count_through_compile(op: str) -> None:
-    """The fake impl works with a symbolic T: one compiled graph serves several token counts."""
-    fn = torch.compile(lambda a, b: OPS[op][0](a, b, 2), backend="aot_eager", dynamic=True, fullgraph=True)
-    for tokens in (3, 17, 1):
+    """The fake impl works with a symbolic T: one compiled graph serves several token counts.
+
+    T = 1 is left out: Dynamo specialises sizes 0 and 1, so it would compile a second graph whatever the op.
+    """
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda a, b: OPS[op][0](a, b, 2), backend=counter, dynamic=True, fullgraph=True)
+    for tokens in (3, 17, 40):
         streams, gates, _ = Case(tokens, 10, 2, torch.bfloat16, tokens, 0, 2, 0, 0).inputs(op, "cpu")
-        for got, want in zip(fn(streams, gates), OPS[op][1](streams, gates, 2), strict=True):
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        _assert_bit_exact(fn(streams, gates), _contract_outputs(op, streams, gates, 2))
+    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("post_grad", [False, True], ids=["traced_through", "post_grad_node"])
@@ -300,8 +364,7 @@ def test_cpu_op_stays_the_reference_under_inductor(op: str, post_grad: bool) -> 
     with ctx, torch._inductor.config.patch(force_disable_caches=True):
         got, codes = run_and_get_code(fn, streams, gates)
     assert f"torch.ops.hcpasses.{op}.default(" in "\n".join(codes)
-    for g, want in zip(got, OPS[op][1](streams, gates, 4), strict=True):
-        assert torch.equal(g.view(torch.uint8), want.view(torch.uint8))
+    _assert_bit_exact(got, _contract_outputs(op, streams, gates, 4))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")

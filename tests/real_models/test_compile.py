@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
+from harness.capture import RecordingPass
 from hf_cases import FAMILIES, ONE_LAYER, logits, token_ids
 
 import hcpasses
@@ -35,6 +38,42 @@ def test_qwen4_exp_breaks_only_in_the_qsa_indexer() -> None:
     assert all("Dynamic shape operator" in reason or "nonzero" in reason for _, reason in sites)
 
 
+# What each pass does to the one-layer FP8-swapped models at tp = 1, checked by hand on the post-grad graph:
+# ``(status, rewrites, reason)`` per pass; ``None`` leaves the reason unchecked (see below).
+#
+# qwen4_exp has 3 HC collapses (attention, MoE, final mixer). The attention collapse feeds the GatedDeltaNet
+# in_proj FP8 linears directly and is fused. The MoE collapse reaches its shared-expert FP8 linears through
+# the MoE's ``view(-1, hidden)``, which the fusion does not look through; the final mixer has no quant.
+# deepseek_v4 has 3 mHC collapses (attention, MoE, head); the attention and MoE collapses reach their FP8
+# linears through the sub-layer RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``): the quant is of the norm's
+# output, not of the collapse, which the fused ops (collapse + quant of x) do not cover; the head has no quant.
+# The fusion's reasons are not checked: they say the unfused collapses have no per-token FP8 quant after
+# them ("none followed by a per-token FP8 quant"), which is not the whole truth for the MoE collapse
+# (qwen4_exp) and the attention and MoE collapses (deepseek_v4).
+EXPECTED_PASSES: dict[str, dict[str, tuple[str, int, str | None]]] = {
+    "qwen4_exp": {
+        "gated_mean_quant": ("applied", 1, None),
+        "sp_rewrite": ("unchanged", 0, "not distributed (tp = 1): nothing to shard"),
+        "cleanup": ("unchanged", 0, "no unused pure nodes"),
+    },
+    "deepseek_v4": {
+        "gated_mean_quant": ("unchanged", 0, None),
+        "sp_rewrite": ("unchanged", 0, "not distributed (tp = 1): nothing to shard"),
+        "cleanup": ("unchanged", 0, "no unused pure nodes"),
+    },
+}
+# The fusion's notes: the collapses it found and how many it fused (3 collapses per family, see above).
+EXPECTED_FUSION_NOTES = {
+    "qwen4_exp": ("HC stream collapses found: 3", "fused with a per-token FP8 quant: 1"),
+    "deepseek_v4": ("HC stream collapses found: 3", "fused with a per-token FP8 quant: 0"),
+}
+# The fused op each family's collapse becomes: the gated mean (qwen4_exp) or the mHC weighted sum.
+FUSED_OPS = {
+    "qwen4_exp": torch.ops.hcpasses.gated_mean_quant.default,
+    "deepseek_v4": torch.ops.hcpasses.weighted_sum_quant.default,
+}
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_hcpasses_backend_matches_eager(family: str, batch: int) -> None:
     model = FAMILIES[family](**ONE_LAYER[family])
@@ -42,10 +81,32 @@ def test_hcpasses_backend_matches_eager(family: str, batch: int) -> None:
     ids = token_ids(batch, seed=9)
     expected = logits(model, ids)
     backend = hcpasses.backend()
+    # Inductor's post-grad post pass runs after hcpasses' pre pass and Inductor's own post-grad passes: the
+    # graph it records is the one Inductor lowers.
+    lowered = RecordingPass()
     torch._dynamo.reset()
     # No SIMD code: halves Inductor's C++ codegen and compile time on CPU; the numbers are the same.
-    with torch._inductor.config.patch({"cpp.simdlen": 0, "force_disable_caches": True}):
+    patches = {"cpp.simdlen": 0, "force_disable_caches": True, "post_grad_custom_post_pass": lowered}
+    with torch._inductor.config.patch(patches):
         actual = logits(torch.compile(model, backend=backend), ids)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
+
     assert len(backend.reports) == 1  # one graph: no break in the one-layer models
-    print(backend.reports[0])
+    report = backend.reports[0]
+    assert [record.name for record in report.passes] == list(EXPECTED_PASSES[family]), str(report)
+    assert not report.cached, str(report)
+    for name, (status, applied, reason) in EXPECTED_PASSES[family].items():
+        record = report.record(name)
+        assert (record.status, record.applied) == (status, applied), f"{name}:\n{report}"
+        if reason is not None:
+            assert record.reason == reason, f"{name}:\n{report}"
+    assert report.record("gated_mean_quant").notes == EXPECTED_FUSION_NOTES[family], str(report)
+
+    # Each reported fusion is one fused op in the lowered graph, and its FP8 codes and scales are used.
+    assert len(lowered.graphs) == 1
+    graph = lowered.graphs[0].graph
+    fused = [node for node in graph.nodes if node.target in FUSED_OPS.values()]
+    assert [node.target for node in fused] == [FUSED_OPS[family]] * report.applied["gated_mean_quant"]
+    for node in fused:
+        used = {user.args[1] for user in node.users if user.target is operator.getitem and user.users}
+        assert {1, 2} <= used, f"{node.format_node()}: q or scale unused"
