@@ -8,18 +8,23 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import pytest
 import torch
-from harness import capture_ranks, count_calls, simulate
+from harness import simulate
+from harness.reference import (
+    RankGraphs,
+    assert_same_as_sp_off,
+    capture_with_passes,
+    collective_counts,
+    fused_op_count,
+    sp_off,
+)
 from harness.toy import BatchedHCModel
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hcpasses.config import HCPassesConfig
-from hcpasses.manager import PassManager
 from models import HCConfig
 
-c10d = torch.ops._c10d_functional
 EXAMPLE = (2, 7)  # batch != seq, so the symbolic sizes of a dynamic capture can be told apart
 
 # (tp, seq_mix_layer, return_state, fp8, dynamic)
@@ -31,25 +36,34 @@ CASES = [
 ]
 
 
-def config(fp8: bool) -> HCConfig:
+def model_config(fp8: bool) -> HCConfig:
     return HCConfig.tiny(n_layers=2, fp8=fp8, intermediate=96, seed=5)
 
 
-@functools.cache
-def captured(case: tuple, batch: int, seq: int) -> tuple[list, list, list]:
-    tp, mix, state, fp8, dynamic = case
-    reports: list = []
-    manager = PassManager(HCPassesConfig(sp_min_tokens=1), reports.append)
-    ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(batch * seq))
-    graphs = capture_ranks(
-        lambda rank, tp: BatchedHCModel(config(fp8), mix, state),
+def capture(case: tuple, shape: tuple[int, int], sp: bool, dynamic: bool) -> RankGraphs:
+    tp, mix, state, fp8, _ = case
+    ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(shape[0] * shape[1]))
+    config = HCPassesConfig(sp_min_tokens=1)
+    return capture_with_passes(
+        lambda rank, tp: BatchedHCModel(model_config(fp8), mix, state),
         lambda rank, tp: (ids,),
         tp,
+        config if sp else sp_off(config),
         dynamic=dynamic,
         codegen=False,
-        config_patches={"post_grad_custom_pre_pass": manager},
     )
-    return [g[0].gm for g in graphs], [g[0].inputs for g in graphs], reports
+
+
+@functools.lru_cache(maxsize=64)
+def sharded_graphs(case: tuple, shape: tuple[int, int]) -> RankGraphs:
+    dynamic = case[-1]
+    return capture(case, EXAMPLE if dynamic else shape, sp=True, dynamic=dynamic)
+
+
+@functools.lru_cache(maxsize=8)
+def unsharded_graphs(case: tuple) -> RankGraphs:
+    """The TP graph with SP off, captured once with symbolic batch and seq: the reference for every shape."""
+    return capture(case, EXAMPLE, sp=False, dynamic=True)
 
 
 def with_ids(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor) -> list[Any]:
@@ -65,30 +79,46 @@ def with_ids(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor) -> 
     return values
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "tp{}-mix{}-state{}-fp8{}-dyn{}".format(*c))
-@settings(max_examples=6, deadline=None)
-@given(batch=st.integers(1, 3), seq=st.integers(2, 9), seed=st.integers(0, 2**16))
-def test_batched_streams_are_sharded_and_match_eager(case: tuple, batch: int, seq: int, seed: int) -> None:
+def run(graphs: RankGraphs, ids: torch.Tensor) -> list[list[torch.Tensor]]:
+    ranks = range(len(graphs.graphs))
+    return simulate(graphs.graphs, [with_ids(graphs.inputs[r], graphs.graphs[r], ids) for r in ranks])
+
+
+@st.composite
+def shapes(draw: st.DrawFn, tp: int, dynamic: bool) -> tuple[int, int]:
+    """(batch, seq): the edges of batch*seq (1, below tp, ragged, a multiple of tp) and free shapes.
+
+    A static shape costs a capture of every rank, so static cases take one shape per edge kind; a dynamic
+    graph runs any shape.
+    """
+    if dynamic:
+        return draw(st.tuples(st.integers(1, 3), st.integers(2, 9)))
+    return draw(st.sampled_from([(1, 1), (1, max(tp - 1, 1)), (3, 5), (2, 6)]))  # 15: ragged for tp 2, 4
+
+
+@given(data=st.data(), case=st.sampled_from(CASES), seed=st.integers(0, 2**16))
+def test_batched_streams_are_sharded_and_match_sp_off_and_eager(data: st.DataObject, case: tuple, seed: int) -> None:
     tp, mix, state, fp8, dynamic = case
-    shape = EXAMPLE if dynamic else (batch, seq)
-    graphs, inputs, reports = captured(case, *shape)
+    batch, seq = data.draw(shapes(tp, dynamic), label="shape")
+    sharded, unsharded = sharded_graphs(case, (batch, seq)), unsharded_graphs(case)
     ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    outputs = simulate(graphs, [with_ids(inputs[r], graphs[r], ids) for r in range(tp)])
+    outputs = run(sharded, ids)
+    for got, want in zip(outputs, run(unsharded, ids), strict=True):
+        assert_same_as_sp_off(got, want, fp32_fp8=fp8)  # the model is fp32
     with torch.no_grad():
-        expected = BatchedHCModel(config(fp8), mix, state)(ids)  # no process group: one device
+        expected = BatchedHCModel(model_config(fp8), mix, state)(ids)  # no process group: one device
     expected = expected if state else (expected,)
     tol = 3e-2 if fp8 else 1e-4  # FP8: a flipped code moves one element by one e4m3 step
     for rank_outputs in outputs:
         for got, want in zip(rank_outputs, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     sharded_layers = 2 - (mix or 0)
-    sp = reports[0].record("sp_rewrite")
-    assert sp.applied == 2 * sharded_layers + 1, reports[0]
-    assert count_calls(graphs[0], c10d.reduce_scatter_tensor.default) == 2 * sharded_layers
-    assert count_calls(graphs[0], c10d.all_reduce.default) == 2 * (mix or 0)
+    sp = sharded.report.record("sp_rewrite")
+    assert sp.applied == 2 * sharded_layers + 1, sharded.report
     gathers = 2 * sharded_layers * (2 if fp8 else 1) + 1 + int(state)
-    assert count_calls(graphs[0], c10d.all_gather_into_tensor.default) == gathers
-    assert reports[0].applied["gated_mean_quant"] == (4 if fp8 else 0)
+    want_counts = {"all_reduce": 2 * (mix or 0), "reduce_scatter": 2 * sharded_layers, "all_gather": gathers}
+    assert collective_counts(sharded.graphs[0]) == want_counts
+    assert fused_op_count(sharded.graphs[0]) == (4 if fp8 else 0) == sharded.report.applied["gated_mean_quant"]
 
 
 SHAPES = [(2, 9), (3, 4), (2, 3)]  # batch x seq = 18, 12, 6 against sp_min_tokens=10 (batch 1 would specialise)
@@ -98,7 +128,7 @@ def batched_rank(rank: int, tp: int) -> dict[str, Any]:
     """One gloo rank: the batched model compiled with dynamic batch and seq, called on SHAPES."""
     import hcpasses
 
-    model = BatchedHCModel(config(True), seq_mix_layer=None, return_state=True)
+    model = BatchedHCModel(model_config(True), seq_mix_layer=None, return_state=True)
     be = hcpasses.backend(sp_min_tokens=10)
     compiled = torch.compile(model, backend=be, dynamic=True)
     results: dict[str, Any] = {}
@@ -119,7 +149,7 @@ def test_two_gloo_ranks_dispatch_on_batch_times_seq() -> None:
     from hcpasses.multiproc import run_ranks
 
     results = run_ranks(batched_rank, 2, timeout_s=600)
-    reference = BatchedHCModel(config(True), seq_mix_layer=None, return_state=True)
+    reference = BatchedHCModel(model_config(True), seq_mix_layer=None, return_state=True)
     for rank_results in results:
         for shape in SHAPES:
             with torch.no_grad():
