@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 import torch
-from harness import capture_ranks, count_calls, simulate
+from harness import count_calls, simulate
+from harness.reference import assert_same_as_sp_off, capture_with_passes, fused_op_count
 
 from hcpasses.config import HCPassesConfig
-from hcpasses.manager import PassManager
 from models import HCConfig, HCDecoder
 from models.mtp import MTPDrafter, prefill_target_and_drafter
 
@@ -32,13 +32,14 @@ class TargetAndDrafter(torch.nn.Module):
 
 
 def run_sharded(build: Any, args: tuple[torch.Tensor, ...], tp: int) -> tuple[list, Any, torch.fx.GraphModule]:
-    reports: list = []
-    manager = PassManager(HCPassesConfig(sp_min_tokens=1), reports.append)
-    graphs = capture_ranks(
-        build, lambda rank, tp: args, tp, codegen=False, config_patches={"post_grad_custom_pre_pass": manager}
-    )
-    outputs = simulate([g[0].gm for g in graphs], [g[0].inputs for g in graphs])
-    return outputs, reports[0].record("sp_rewrite"), graphs[0][0].gm
+    """Each rank's outputs with SP (checked against the same graphs before SP), SP's record, rank 0's graph."""
+    graphs = capture_with_passes(build, lambda rank, tp: args, tp, HCPassesConfig(sp_min_tokens=1), codegen=False)
+    outputs = simulate(graphs.graphs, graphs.inputs)
+    unsharded = graphs.sp_off()
+    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want, fp32_fp8=True)  # CFG: fp32 model, FP8 sub-layer inputs
+    assert fused_op_count(graphs.graphs[0]) == graphs.report.applied["gated_mean_quant"] > 0
+    return outputs, graphs.report.record("sp_rewrite"), graphs.graphs[0]
 
 
 def ids(tokens: int, seed: int) -> torch.Tensor:

@@ -16,7 +16,6 @@ from harness.reference import (
     capture_with_passes,
     collective_counts,
     fused_op_count,
-    sp_off,
 )
 from harness.toy import BatchedHCModel
 from hypothesis import given
@@ -40,30 +39,20 @@ def model_config(fp8: bool) -> HCConfig:
     return HCConfig.tiny(n_layers=2, fp8=fp8, intermediate=96, seed=5)
 
 
-def capture(case: tuple, shape: tuple[int, int], sp: bool, dynamic: bool) -> RankGraphs:
-    tp, mix, state, fp8, _ = case
+@functools.lru_cache(maxsize=64)
+def captured(case: tuple, shape: tuple[int, int]) -> RankGraphs:
+    """The case's graphs with SP (and as SP received them, the reference), captured at ``shape``."""
+    tp, mix, state, fp8, dynamic = case
+    shape = EXAMPLE if dynamic else shape
     ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(shape[0] * shape[1]))
-    config = HCPassesConfig(sp_min_tokens=1)
     return capture_with_passes(
         lambda rank, tp: BatchedHCModel(model_config(fp8), mix, state),
         lambda rank, tp: (ids,),
         tp,
-        config if sp else sp_off(config),
+        HCPassesConfig(sp_min_tokens=1),
         dynamic=dynamic,
         codegen=False,
     )
-
-
-@functools.lru_cache(maxsize=64)
-def sharded_graphs(case: tuple, shape: tuple[int, int]) -> RankGraphs:
-    dynamic = case[-1]
-    return capture(case, EXAMPLE if dynamic else shape, sp=True, dynamic=dynamic)
-
-
-@functools.lru_cache(maxsize=8)
-def unsharded_graphs(case: tuple) -> RankGraphs:
-    """The TP graph with SP off, captured once with symbolic batch and seq: the reference for every shape."""
-    return capture(case, EXAMPLE, sp=False, dynamic=True)
 
 
 def with_ids(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor) -> list[Any]:
@@ -100,7 +89,8 @@ def shapes(draw: st.DrawFn, tp: int, dynamic: bool) -> tuple[int, int]:
 def test_batched_streams_are_sharded_and_match_sp_off_and_eager(data: st.DataObject, case: tuple, seed: int) -> None:
     tp, mix, state, fp8, dynamic = case
     batch, seq = data.draw(shapes(tp, dynamic), label="shape")
-    sharded, unsharded = sharded_graphs(case, (batch, seq)), unsharded_graphs(case)
+    sharded = captured(case, (batch, seq))
+    unsharded = sharded.sp_off()
     ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(seed))
     outputs = run(sharded, ids)
     for got, want in zip(outputs, run(unsharded, ids), strict=True):

@@ -9,15 +9,20 @@ from typing import Any
 
 import pytest
 import torch
-from harness import capture_ranks, count_calls, simulate
+from harness import simulate, simulate_compiled
+from harness.reference import (
+    RankGraphs,
+    assert_same_as_sp_off,
+    capture_with_passes,
+    collective_counts,
+    fused_op_count,
+    sp_off,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hcpasses.config import HCPassesConfig
-from hcpasses.manager import PassManager
 from models import HCConfig, HCDecoder
-
-c10d = torch.ops._c10d_functional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +64,24 @@ class HCStateModel(torch.nn.Module):
         return self.decoder(ids, return_hc_state=self.mtp)
 
 
-@functools.cache
-def captured(case: Case, tokens: int) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list]:
-    """Each rank's post-grad graph after the passes (captured without codegen), its inputs, the reports."""
-    reports: list = []
-    manager = PassManager(HCPassesConfig(sp_min_tokens=1), reports.append)
+def capture(case: Case, tokens: int, dynamic: bool) -> RankGraphs:
+    """Each rank's post-grad graph after the passes (captured without codegen)."""
     ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
-    graphs = capture_ranks(
+    return capture_with_passes(
         lambda rank, tp: HCStateModel(case.config(), case.mtp),
         lambda rank, tp: (ids,),
         case.tp,
-        dynamic=case.dynamic,
+        HCPassesConfig(sp_min_tokens=1),
+        dynamic=dynamic,
         codegen=False,
-        config_patches={"post_grad_custom_pre_pass": manager},
     )
-    return [g[0].gm for g in graphs], [g[0].inputs for g in graphs], reports
+
+
+@functools.lru_cache(maxsize=128)
+def captured(case: Case, tokens: int) -> RankGraphs:
+    """The case's graphs with SP (and, from the same compile, as SP received them), captured at ``tokens``;
+    a dynamic case's graphs run any T."""
+    return capture(case, 7 if case.dynamic else tokens, dynamic=case.dynamic)
 
 
 def with_tokens(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor) -> list[Any]:
@@ -86,6 +94,12 @@ def with_tokens(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor) 
             value = ids
         values.append(value)
     return values
+
+
+def run(graphs: RankGraphs, ids: torch.Tensor) -> list[list[torch.Tensor]]:
+    return simulate(
+        graphs.graphs, [with_tokens(graphs.inputs[r], graphs.graphs[r], ids) for r in range(len(graphs.graphs))]
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -111,15 +125,15 @@ AXES: dict[str, tuple[Any, ...]] = {
     "fp8": (False, True),
     "dynamic": (False, True),
 }
-# Static T needs one capture per T, so static cases draw T from these (T=1, T < tp, odd, large).
-STATIC_TOKENS = (1, 3, 17, 600)
+FULL_GRID = ("tp", "dynamic", "fp8")  # every combination of these occurs (for tp > 1)
 
 
-def pairwise_cases() -> list[Case]:
-    """A small set of cases in which every pair of values of any two axes occurs (greedy covering).
+def grid_then_pairwise_cases() -> list[Case]:
+    """Every (tp > 1, static/dynamic, fp8, dtype) combination, completed so that every pair of values of
+    any two axes also occurs (greedy covering).
 
-    Each case costs a capture per rank (seconds); hypothesis then draws T and inputs freely for it.
-    The full product (1024 cases) would not fit the CI budget.
+    Each case costs two captures per rank (SP on and off; seconds), and static cases one per T drawn;
+    hypothesis then draws T and inputs freely. The full product (1024 cases) would not fit the CI budget.
     """
     names = list(AXES)
     candidates = [dict(zip(names, values, strict=True)) for values in itertools.product(*AXES.values())]
@@ -127,73 +141,148 @@ def pairwise_cases() -> list[Case]:
     def pairs(case: dict[str, Any]) -> set:
         return {(a, case[a], b, case[b]) for a, b in itertools.combinations(names, 2)}
 
+    def grid_key(case: dict[str, Any]) -> tuple:
+        return tuple(case[name] for name in FULL_GRID)
+
     uncovered = set().union(*(pairs(c) for c in candidates))
-    chosen = []
+    chosen: list[dict[str, Any]] = []
+    for key in itertools.product(*(AXES[name] for name in FULL_GRID)):
+        if key[0] == 1:
+            continue
+        best = max((c for c in candidates if grid_key(c) == key), key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
     while uncovered:
         best = max(candidates, key=lambda c: len(pairs(c) & uncovered))
-        chosen.append(Case(**best))
+        chosen.append(best)
         uncovered -= pairs(best)
-    return chosen
+    return [Case(**c) for c in chosen]
 
 
-CASES = pairwise_cases()
+CASES = grid_then_pairwise_cases()
 
 
-@given(
-    case=st.sampled_from(CASES),
-    tokens=st.integers(2, 600),
-    static=st.sampled_from(STATIC_TOKENS),
-    seed=st.integers(0, 2**16),
-)
-def test_sharded_graph_matches_single_device_eager(case: Case, tokens: int, static: int, seed: int) -> None:
-    # a dynamic graph is captured once and runs every T >= 2 (Dynamo specialises T=1 into its own graph)
-    tokens = tokens if case.dynamic else static
-    graphs, inputs, reports = captured(case, 7 if case.dynamic else tokens)
+@st.composite
+def token_counts(draw: st.DrawFn, tp: int, dynamic: bool) -> int:
+    """T for a case: the edges (T = 1, T < tp, T % tp != 0, T % tp == 0) and anything up to 600.
+
+    A dynamic graph is captured once and runs every T >= 2 (Dynamo specialises T = 1 into a graph of its
+    own, so T = 1 is a static case). A static T costs a capture of every rank, so static T is one value per
+    edge kind (1, tp - 1, 17, 600); the captures are cached by T.
+    """
+    low = 2 if dynamic else 1
+    kind = draw(st.sampled_from(("one", "below_tp", "ragged", "multiple", "any")))
+    if kind == "one" or (kind == "below_tp" and tp <= low):
+        return low
+    if kind == "below_tp":
+        return draw(st.integers(low, tp - 1)) if dynamic else tp - 1
+    if not dynamic:  # 17 is ragged and 600 a multiple for every tp drawn (1..4)
+        return {"ragged": 17, "multiple": 600}.get(kind) or draw(st.sampled_from((17, 600)))
+    count = draw(st.integers(low, 600))
+    if kind == "ragged" and tp > 1:
+        return count + (1 if count % tp == 0 else 0)
+    if kind == "multiple":
+        return max(tp, count - count % tp)
+    return count
+
+
+@given(data=st.data(), case=st.sampled_from(CASES), seed=st.integers(0, 2**16))
+def test_sharded_graph_matches_sp_off_and_eager(data: st.DataObject, case: Case, seed: int) -> None:
+    tokens = data.draw(token_counts(case.tp, case.dynamic), label="tokens")
+    sharded = captured(case, tokens)
+    unsharded = sharded.sp_off()
     ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(seed))
-    per_rank = [with_tokens(inputs[r], graphs[r], ids) for r in range(case.tp)]
-    outputs = simulate(graphs, per_rank)
+    outputs = run(sharded, ids)
+    # First reference: the same TP graph without SP (exact but for fp32 GEMM blocking).
+    fp32_fp8 = case.dtype == torch.float32 and case.fp8
+    for got, want in zip(outputs, run(unsharded, ids), strict=True):
+        assert_same_as_sp_off(got, want, fp32_fp8=fp32_fp8)
+    # Second reference: single-device eager. FP8: a code that flips (another GEMM shape rounds x differently
+    # in the last bit) moves one element of a sub-layer input by one e4m3 step; bf16 carries its own
+    # rounding. Wrong rows or a lost reduce are O(1).
     with torch.no_grad():
         expected = reference_model(case.config())(ids, return_hc_state=case.mtp)
     expected = expected if case.mtp else (expected,)
-    # FP8: a code that flips (another GEMM shape rounds x differently in the last bit) moves one element of
-    # a sub-layer input by one e4m3 step; bf16 carries its own rounding. Wrong rows or a lost reduce are O(1).
     tol = {(torch.float32, False): 1e-4, (torch.float32, True): 3e-2}.get((case.dtype, case.fp8), 0.1)
     for rank_outputs in outputs:
         for got, want in zip(rank_outputs, expected, strict=True):
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    counts = {
-        "all_reduce": count_calls(graphs[0], c10d.all_reduce.default),
-        "reduce_scatter": count_calls(graphs[0], c10d.reduce_scatter_tensor.default),
-        "all_gather": count_calls(graphs[0], c10d.all_gather_into_tensor.default),
-    }
-    assert counts == expected_collectives(case), reports[0]
-    sp = reports[0].record("sp_rewrite")
+    # The graph, not the report, says what was rewritten.
+    assert collective_counts(sharded.graphs[0]) == expected_collectives(case), sharded.report
+    assert collective_counts(unsharded.graphs[0])["all_reduce"] == (2 * case.layers if case.tp > 1 else 0)
+    fused = 2 * case.layers if case.fp8 else 0
+    assert fused_op_count(sharded.graphs[0]) == fused == sharded.report.applied["gated_mean_quant"]
+    sp = sharded.report.record("sp_rewrite")
     assert (sp.status == "applied") == (case.tp > 1)
     assert sp.applied == (0 if case.tp == 1 else 2 * (case.layers - (case.ple_layer or 0)) + 1)
 
 
 @pytest.mark.parametrize(("tp", "tokens", "fp8", "ple"), [(2, 9, True, None), (3, 2, False, 1), (4, 31, True, 0)])
-def test_mhc_family_is_sharded_and_matches_eager(tp: int, tokens: int, fp8: bool, ple: int | None) -> None:
+def test_mhc_family_is_sharded_and_matches_sp_off_and_eager(tp: int, tokens: int, fp8: bool, ple: int | None) -> None:
     from models.mhc import MHCDecoder
 
     cfg = HCConfig.tiny(fp8=fp8, n_layers=2, ple_layer=ple, n_heads=12, n_kv_heads=12, intermediate=96, seed=4)
-    reports: list = []
-    manager = PassManager(HCPassesConfig(sp_min_tokens=1), reports.append)
-    ids = torch.randint(0, 64, (tokens,))
-    graphs = capture_ranks(
-        lambda rank, tp: MHCDecoder(cfg),
-        lambda rank, tp: (ids,),
-        tp,
-        codegen=False,
-        config_patches={"post_grad_custom_pre_pass": manager},
-    )
-    outputs = simulate([g[0].gm for g in graphs], [g[0].inputs for g in graphs])
+    ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    config = HCPassesConfig(sp_min_tokens=1)
+    sharded = capture_with_passes(lambda rank, tp: MHCDecoder(cfg), lambda rank, tp: (ids,), tp, config, codegen=False)
+    unsharded = sharded.sp_off()
+    outputs = simulate(sharded.graphs, sharded.inputs)
+    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want, fp32_fp8=fp8)
     with torch.no_grad():
         expected = MHCDecoder(cfg, tp_rank=0, tp_size=1)(ids)
     for rank_outputs in outputs:
         torch.testing.assert_close(rank_outputs[0], expected, rtol=3e-2 if fp8 else 1e-4, atol=3e-2 if fp8 else 1e-4)
-    sp = reports[0].record("sp_rewrite")
+    sp = sharded.report.record("sp_rewrite")
     sharded_layers = cfg.n_layers - (ple or 0)
-    assert sp.applied == 2 * sharded_layers + 1, reports[0]
-    assert count_calls(graphs[0][0].gm, c10d.reduce_scatter_tensor.default) == 2 * sharded_layers
-    assert reports[0].applied["gated_mean_quant"] == (2 * cfg.n_layers if fp8 else 0)
+    assert sp.applied == 2 * sharded_layers + 1, sharded.report
+    gathers = 2 * sharded_layers * (2 if fp8 else 1) + 1
+    want = {"all_reduce": 2 * (ple or 0), "reduce_scatter": 2 * sharded_layers, "all_gather": gathers}
+    assert collective_counts(sharded.graphs[0]) == want
+    assert (
+        fused_op_count(sharded.graphs[0])
+        == (2 * cfg.n_layers if fp8 else 0)
+        == sharded.report.applied["gated_mean_quant"]
+    )
+
+
+# A fixed sample of cases whose rewritten graphs go through Inductor's code generation and run as generated
+# code on the simulator (each costs a full compile per rank and variant, about a minute on 2 cores).
+GENERATED_SAMPLE = [
+    Case(tp=3, layers=2, ple="first", mtp=True, dtype=torch.bfloat16, fp8=True, dynamic=True),
+    Case(tp=2, layers=2, ple="none", mtp=False, dtype=torch.float32, fp8=False, dynamic=False),
+]
+
+
+@pytest.mark.parametrize("case", GENERATED_SAMPLE, ids=str)
+def test_generated_code_of_the_sharded_graph_matches_sp_off(case: Case) -> None:
+    """Inductor compiles the rewritten graph (a graph it cannot compile fails here), and its generated code
+    computes what the SP-off graph's generated code computes, on a ragged T the graphs were not traced at."""
+    tokens = 13 if case.dynamic else 7
+    ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(5))
+    config = HCPassesConfig(sp_min_tokens=1)
+    runs = []
+    for variant in (config, sp_off(config)):
+        graphs = capture_with_passes(
+            lambda rank, tp: HCStateModel(case.config(), case.mtp),
+            lambda rank, tp: (torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(1)),),
+            case.tp,
+            variant,
+            dynamic=case.dynamic,
+            codegen=True,
+            config_patches={"cpp.simdlen": 0},  # scalar C++ compiles in about half the time; same numbers
+        )
+        inputs = [with_tokens(graphs.inputs[r], graphs.graphs[r], ids) for r in range(case.tp)]
+        runs.append((graphs, simulate_compiled(graphs.compiled, inputs)))
+    (sharded, generated), (_, generated_off) = runs
+    assert collective_counts(sharded.graphs[0]) == expected_collectives(case)
+    # Inductor fuses the two graphs differently, so they may round differently (in bf16 an FP8 code can then
+    # flip, moving an element by one e4m3 step); fp32 without FP8 is near exact. Wrong rows are O(1).
+    tol = 1e-5 if case.dtype == torch.float32 and not case.fp8 else 0.1
+    for got_rank, want_rank in zip(generated, generated_off, strict=True):
+        for got, want in zip(got_rank, want_rank, strict=True):
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    # and the generated code agrees with the FX graph it was generated from, run on the same simulator
+    for got_rank, want_rank in zip(generated, run(sharded, ids), strict=True):
+        for got, want in zip(got_rank, want_rank, strict=True):
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

@@ -17,11 +17,15 @@ from typing import Any
 
 import torch
 
+from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import HCPassesConfig
+from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
+from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import PassManager
 from hcpasses.report import GraphReport
+from hcpasses.sp_rewrite import SPRewrite
 
-from .capture import capture_ranks, count_calls
+from .capture import capture_ranks, copy_graph, count_calls
 
 c10d = torch.ops._c10d_functional
 FUSED_OPS = (torch.ops.hcpasses.gated_mean_quant.default, torch.ops.hcpasses.weighted_sum_quant.default)
@@ -36,11 +40,34 @@ class RankGraphs:
     inputs: list[list[Any]]
     reports: list[GraphReport]
     compiled: list[Callable[..., Any] | None]
+    before_sp: list[torch.fx.GraphModule]  # each rank's graph as the SP pass received it
 
     @property
     def report(self) -> GraphReport:
         """Rank 0's report of its first graph."""
         return self.reports[0]
+
+    def sp_off(self) -> RankGraphs:
+        """The same compile's graphs as they were before the SP pass: the TP graph with SP off.
+
+        They take the same inputs (a pass never changes placeholders); the graph after the other passes
+        differs from them only by nodes the cleanup pass erases, which compute nothing that is used.
+        """
+        return dataclasses.replace(self, graphs=self.before_sp, compiled=[None] * len(self.graphs))
+
+
+class SnapshotBeforeSP(GraphPass):
+    """The SP pass, recording a copy of each graph it is given before it rewrites it."""
+
+    name = "sp_rewrite"
+
+    def __init__(self) -> None:
+        self.inner = SPRewrite()
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def run(self, graph: torch.fx.Graph, config: HCPassesConfig) -> PassResult:
+        self.graphs.append(copy_graph(graph))
+        return self.inner.run(graph, config)
 
 
 def capture_with_passes(
@@ -50,16 +77,22 @@ def capture_with_passes(
     config: HCPassesConfig,
     **capture_kwargs: Any,
 ) -> RankGraphs:
-    """Every rank's post-grad graph after the passes of ``config`` (see :func:`capture_ranks`)."""
+    """Every rank's post-grad graph after the passes of ``config`` (see :func:`capture_ranks`), and the graph
+    the SP pass was given (when it ran)."""
     reports: list[GraphReport] = []
-    manager = PassManager(config, reports.append)
+    snapshot = SnapshotBeforeSP()
+    manager = PassManager(config, reports.append, passes=(GatedMeanQuantFusion(), snapshot, DeadCodeCleanup()))
     patches = {**capture_kwargs.pop("config_patches", {}), "post_grad_custom_pre_pass": manager}
     captures = capture_ranks(build_fn, args_fn, tp, config_patches=patches, **capture_kwargs)
+    if config.sp_rewrite and len(snapshot.graphs) != len(reports):
+        raise RuntimeError(f"{len(reports)} graphs compiled but SP saw {len(snapshot.graphs)}")
+    per_rank = len(reports) // tp  # ranks compile in turn, each the same number of graphs
     return RankGraphs(
         graphs=[c[0].gm for c in captures],
         inputs=[c[0].inputs for c in captures],
         reports=reports,
         compiled=[c[0].compiled for c in captures],
+        before_sp=[snapshot.graphs[r * per_rank] for r in range(tp)] if config.sp_rewrite else [],
     )
 
 

@@ -60,7 +60,7 @@ MUTANTS: tuple[Mutant, ...] = (
             if scales:
                 waited = self.graph.call_function(prims.convert_element_type.default, (waited, torch.float32))
 """,
-        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_eager[2-9-True-None]",),
+        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_sp_off_and_eager[2-9-True-None]",),
     ),
     Mutant(
         name="sp_gather_no_trim",
@@ -70,7 +70,7 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         new="""            full = waited
 """,
-        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_eager[2-9-True-None]",),
+        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_sp_off_and_eager[2-9-True-None]",),
     ),
     Mutant(
         name="sp_pad_not_zero",
@@ -94,7 +94,7 @@ MUTANTS: tuple[Mutant, ...] = (
             swapped = self.graph.call_function(aten.transpose.int, (blocks, 0, 1))
             padded = self.graph.call_function(aten.reshape.default, (swapped, [-1, *rest]))
 """,
-        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_eager[2-9-True-None]",),
+        tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_sp_off_and_eager[2-9-True-None]",),
     ),
     Mutant(
         name="quant_wrong_clamp",
@@ -116,7 +116,7 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         tests=(
             "tests/test_mutant_killers.py::test_shard_rows_is_this_ranks_block_zero_padded",
-            "tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_eager[2-9-True-None]",
+            "tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_sp_off_and_eager[2-9-True-None]",
         ),
     ),
     Mutant(

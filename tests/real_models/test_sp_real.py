@@ -1,21 +1,20 @@
 """SP on the transformers HC models sharded with ``hcpasses.hf.shard_for_tp`` ([batch, seq, hidden]).
 
 Each rank's post-grad graph is captured under the fake group and run on the virtual-rank simulator;
-the result is compared with the single-device eager model.
+the result is compared first with the same TP graph before the SP pass (exact but for fp32 GEMM
+blocking), then with the single-device eager model.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from harness import capture_ranks, count_calls, simulate
+from harness import simulate
+from harness.reference import assert_same_as_sp_off, capture_with_passes, collective_counts, fused_op_count
 from hf_cases import FAMILIES, ONE_LAYER, logits, token_ids
 
 from hcpasses.config import HCPassesConfig
 from hcpasses.hf import shard_for_tp, swap_fp8_linears
-from hcpasses.manager import PassManager
-
-c10d = torch.ops._c10d_functional
 
 
 class Logits(torch.nn.Module):
@@ -41,27 +40,30 @@ def build(family: str, fp8: bool, rank: int | None = None, tp: int | None = None
 @pytest.mark.parametrize(("family", "fp8", "batch"), [("qwen4_exp", True, 2), ("deepseek_v4", False, 2)])
 def test_sp_shards_every_hc_block_and_matches_one_device(family: str, fp8: bool, batch: int) -> None:
     ids = token_ids(batch, seed=4)
-    reports: list = []
-    manager = PassManager(HCPassesConfig(sp_min_tokens=1), reports.append)
-    graphs = capture_ranks(
+    graphs = capture_with_passes(
         lambda rank, tp: Logits(build(family, fp8, rank, tp)),
         lambda rank, tp: (ids,),
         2,
+        HCPassesConfig(sp_min_tokens=1),
         codegen=False,
-        config_patches={"post_grad_custom_pre_pass": manager},
     )
-    outputs = simulate([g[0].gm for g in graphs], [g[0].inputs for g in graphs])
+    outputs = simulate(graphs.graphs, graphs.inputs)
+    unsharded = graphs.sp_off()
+    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want, fp32_fp8=fp8)  # the models are fp32
     expected = logits(build(family, fp8), ids)
     for (actual,) in outputs:
         # fp32; FP8 codes can flip where the TP partial sums round differently (one e4m3 step)
         torch.testing.assert_close(actual, expected, atol=2e-2 if fp8 else 1e-4, rtol=2e-2 if fp8 else 1e-4)
-    sp = reports[0].record("sp_rewrite")
+    sp = graphs.report.record("sp_rewrite")
     # one layer: the attention-side HC, the MoE HC and the final mixer
-    assert sp.status == "applied" and sp.applied == 3, reports[0]
-    gm = graphs[0][0].gm
-    assert count_calls(gm, c10d.all_reduce.default) == 0
-    assert count_calls(gm, c10d.reduce_scatter_tensor.default) == 2
+    assert sp.status == "applied" and sp.applied == 3, graphs.report
+    counts = collective_counts(graphs.graphs[0])
+    assert counts["all_reduce"] == 0 and counts["reduce_scatter"] == 2, counts
+    assert collective_counts(unsharded.graphs[0])["all_reduce"] == 2
     assert sp.facts["streams_gathered"] == 0
+    fused = 1 if fp8 else 0  # qwen4_exp: the attention HC (the MoE flattens x before its FP8 shared expert)
+    assert fused_op_count(graphs.graphs[0]) == fused == graphs.report.applied["gated_mean_quant"]
 
 
 def compiled_rank(rank: int, tp: int) -> dict[str, object]:
