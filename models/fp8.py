@@ -48,12 +48,18 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, in] -> [T, out]`` in x's dtype."""
+        """``[..., in] -> [..., out]`` in x's dtype (any leading token dims)."""
         q, scale = quantize_per_token(x)
         if self._use_scaled_mm(x):
-            return torch._scaled_mm(
-                q, self.weight_q.t(), scale_a=scale, scale_b=self.weight_scale.t(), out_dtype=x.dtype
+            # _scaled_mm takes 2-D operands only: flatten the token dims, restore them after.
+            out = torch._scaled_mm(
+                q.reshape(-1, q.shape[-1]),
+                self.weight_q.t(),
+                scale_a=scale.reshape(-1, 1),
+                scale_b=self.weight_scale.t(),
+                out_dtype=x.dtype,
             )
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         w = self.weight_q.float() * self.weight_scale
         return ((q.float() * scale) @ w.t()).to(x.dtype)
 
