@@ -10,8 +10,10 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# 100 examples: the SP properties now run every example twice (SP and the SP-off reference) over a wider
+# case grid, and the whole suite must stay within 25 minutes on 2 cores (300 took over 35).
 settings.register_profile(
-    "ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
+    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
 )
 settings.register_profile("dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
