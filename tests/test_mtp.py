@@ -137,10 +137,8 @@ def test_dynamic_compile_of_the_drafter_finds_its_hc_blocks() -> None:
     with torch.no_grad(), torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
         torch.compile(drafter, backend=be, dynamic=True)(random_state(6, seed=16), random_ids(6, seed=17))
     # attention HC, MLP HC, final mixer
-    assert (
-        be.reports[-1].record("gated_mean_quant").reason
-        == "3 HC collapse(s) found, none followed by a per-token FP8 quant"
-    )
+    reason = be.reports[-1].record("gated_mean_quant").reason
+    assert reason.startswith("not fused: ") and reason.count(": no FP8 quant after it") == 3, reason
 
 
 def test_drafter_input_is_row_local() -> None:

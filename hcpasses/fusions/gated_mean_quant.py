@@ -75,12 +75,52 @@ class GatedMeanQuantFusion(GraphPass):
         found = sum(1 for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM))
         fused = self._fuser.apply(graph)
         notes = (f"HC stream collapses found: {found}", f"fused with a per-token FP8 quant: {fused}")
-        if fused:
-            reason = None if fused >= found else f"{found - fused} collapse(s) have no per-token FP8 quant after them"
-            return PassResult(applied=fused, reason=reason, notes=notes)
-        if found:
-            return PassResult(0, f"{found} HC collapse(s) found, none followed by a per-token FP8 quant", notes)
-        return PassResult(0, "no HC stream collapse (gated mean / mHC collapse) in this graph", notes)
+        if not found:
+            return PassResult(0, "no HC stream collapse (gated mean / mHC collapse) in this graph", notes)
+        left = [c.root for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
+        reason = f"not fused: {'; '.join(map(why_not_fused, left))}" if left else None
+        return PassResult(applied=fused, reason=reason, notes=notes)
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SEARCH_LIMIT = 200  # nodes visited downstream of a collapse when looking for an FP8 cast
+
+
+def _is_fp8_cast(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype in FP8_DTYPES
+
+
+def why_not_fused(root: fx.Node) -> str:
+    """The truth about a collapse that was not fused: no FP8 cast downstream of it, or the ops that stand
+    between it and the nearest one (a norm, a reshape, another quant convention: the fused op quantises
+    the collapse output itself, with the DESIGN §5 convention, so anything else is left alone)."""
+    parents: dict[fx.Node, fx.Node | None] = {root: None}
+    frontier = [root]
+    while frontier and len(parents) < _SEARCH_LIMIT:
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user in parents:
+                    continue
+                parents[user] = node
+                if _is_fp8_cast(user):
+                    return (
+                        f"{root.name}: an FP8 cast follows ({user.name}, through {_path_ops(user, parents)}) "
+                        "but not as the per-token quant of the collapse output itself (DESIGN §5 convention)"
+                    )
+                nxt.append(user)
+        frontier = nxt
+    return f"{root.name}: no FP8 quant after it"
+
+
+def _path_ops(cast: fx.Node, parents: dict[fx.Node, fx.Node | None]) -> str:
+    ops = []
+    node = parents[cast]
+    while node is not None and parents[node] is not None:
+        ops.append(getattr(node.target, "__name__", str(node.target)).split(".")[0])
+        node = parents[node]
+    return " -> ".join(reversed(ops)) or "nothing"
 
 
 def _fuse_handler(collapse: Collapse, dtype: torch.dtype, kind: str) -> Callable[..., None]:

@@ -47,9 +47,8 @@ def test_qwen4_exp_breaks_only_in_the_qsa_indexer() -> None:
 # deepseek_v4 has 3 mHC collapses (attention, MoE, head); the attention and MoE collapses reach their FP8
 # linears through the sub-layer RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``): the quant is of the norm's
 # output, not of the collapse, which the fused ops (collapse + quant of x) do not cover; the head has no quant.
-# The fusion's reasons are not checked: they say the unfused collapses have no per-token FP8 quant after
-# them ("none followed by a per-token FP8 quant"), which is not the whole truth for the MoE collapse
-# (qwen4_exp) and the attention and MoE collapses (deepseek_v4).
+# The fusion's reason names each unfused collapse and what follows it (EXPECTED_FUSION_REASON: how many
+# collapses have no FP8 quant after them, and the ops every "FP8 cast follows" path must show).
 EXPECTED_PASSES: dict[str, dict[str, tuple[str, int, str | None]]] = {
     "qwen4_exp": {
         "gated_mean_quant": ("applied", 1, None),
@@ -66,6 +65,11 @@ EXPECTED_PASSES: dict[str, dict[str, tuple[str, int, str | None]]] = {
 EXPECTED_FUSION_NOTES = {
     "qwen4_exp": ("HC stream collapses found: 3", "fused with a per-token FP8 quant: 1"),
     "deepseek_v4": ("HC stream collapses found: 3", "fused with a per-token FP8 quant: 0"),
+}
+EXPECTED_FUSION_REASON = {
+    "qwen4_exp": {"no quant": 1, "cast through": ["reshape -> div"]},  # final mixer; MoE collapse: its view
+    # head; attention and MoE collapses: x * rsqrt(mean(x^2) + eps) * w, then the quant's division
+    "deepseek_v4": {"no quant": 1, "cast through": ["mul -> mul -> div", "mul -> mul -> div"]},
 }
 # The fused op each family's collapse becomes: the gated mean (qwen4_exp) or the mHC weighted sum.
 FUSED_OPS = {
@@ -101,6 +105,15 @@ def test_hcpasses_backend_matches_eager(family: str, batch: int) -> None:
         if reason is not None:
             assert record.reason == reason, f"{name}:\n{report}"
     assert report.record("gated_mean_quant").notes == EXPECTED_FUSION_NOTES[family], str(report)
+    reason = report.record("gated_mean_quant").reason
+    expected_reason = EXPECTED_FUSION_REASON[family]
+    assert reason.startswith("not fused: "), reason
+    entries = reason.removeprefix("not fused: ").split("; ")
+    assert sum(e.endswith(": no FP8 quant after it") for e in entries) == expected_reason["no quant"], reason
+    casts = [e for e in entries if ": an FP8 cast follows (" in e]
+    assert len(casts) == len(expected_reason["cast through"]), reason
+    for entry, op in zip(casts, expected_reason["cast through"], strict=True):
+        assert op in entry.split("through ", 1)[1], reason
 
     # Each reported fusion is one fused op in the lowered graph, and its FP8 codes and scales are used.
     assert len(lowered.graphs) == 1
