@@ -1,7 +1,8 @@
 """The references a rewritten graph is judged against, and checks that read the graph, not the report.
 
 The SP rewrite changes which token rows a rank computes, never how a row is computed. So its first
-reference is the *same* TP graph captured with SP off, run on the same simulator: every output must be
+reference is the *same* TP graph with SP off: the graph as the SP pass received it in the same compile
+(:class:`SnapshotBeforeSP`), on the same inputs and the same simulator. Every output must be
 bit-identical in bf16 / fp16. In fp32 a GEMM over R rows instead of T may block its sums differently on
 the CPU, which moves the last bits: there the bound is 1e-6 (absolute and relative). FP8 codes are
 computed from those values, so they are exact in bf16 models; an fp32 model with FP8 may flip a code
