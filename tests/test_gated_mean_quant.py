@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from harness.capture import RecordingPass
-from harness.reference import fused_op_count
+from harness.reference import fp8_ordinal, fused_op_count
 
 import hcpasses
 from hcpasses.patterns.gated_mean import atom_gated_mean, mhc_collapse, per_token_quant, transformers_gated_mean
@@ -79,13 +79,6 @@ def same_sign_streams(t: int, n: int, s: int, dtype: torch.dtype) -> torch.Tenso
     """
     sign = torch.randn(t, 1, s).sign()
     return (torch.rand(t, n, s) * 2 * sign).flatten(-2).to(dtype)
-
-
-def fp8_ordinal(q: torch.Tensor) -> torch.Tensor:
-    """Position of each e4m3 code on the ordered value grid (+0 and -0 both 0): neighbours differ by 1."""
-    bits = q.view(torch.uint8).int()
-    magnitude = bits & 0x7F
-    return torch.where(bits & 0x80 != 0, -magnitude, magnitude)
 
 
 def assert_quant_close(q: torch.Tensor, scale: torch.Tensor, q_ref: torch.Tensor, scale_ref: torch.Tensor) -> None:

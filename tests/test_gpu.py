@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from harness.capture import RecordingPass
-from harness.reference import fused_op_count
+from harness.reference import fp8_ordinal, fused_op_count
 
 import hcpasses
 from hcpasses.patterns.gated_mean import atom_gated_mean, per_token_quant
@@ -62,12 +62,6 @@ def atom_then_quant(u: torch.Tensor, xn: torch.Tensor) -> tuple[torch.Tensor, ..
     # not match (a known gap: the fusion then does not fire on that form on CUDA).
     x = atom_gated_mean(u, xn, 4, 2560)
     return (x, *per_token_quant(x))
-
-
-def fp8_ordinal(q: torch.Tensor) -> torch.Tensor:
-    """Position of each e4m3 code on the ordered value grid (+0 and -0 both 0): neighbours differ by 1."""
-    bits = q.view(torch.uint8).int()
-    return torch.where(bits < 128, bits, 128 - bits)
 
 
 def contract_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,13 +23,14 @@ from hcpasses.config import HCPassesConfig
 from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import PassManager
+from hcpasses.patterns.collapse import FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM
 from hcpasses.report import GraphReport
 from hcpasses.sp_rewrite import SPRewrite
 
 from .capture import capture_ranks, copy_graph, count_calls
 
 c10d = torch.ops._c10d_functional
-FUSED_OPS = (torch.ops.hcpasses.gated_mean_quant.default, torch.ops.hcpasses.weighted_sum_quant.default)
+FUSED_OPS = (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)
 FP32_BOUND = 1e-6
 
 
@@ -136,6 +137,13 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
         "reduce_scatter": count_calls(gm, c10d.reduce_scatter_tensor.default),
         "all_gather": count_calls(gm, c10d.all_gather_into_tensor.default),
     }
+
+
+def fp8_ordinal(q: torch.Tensor) -> torch.Tensor:
+    """Position of each e4m3 code on the ordered value grid (+0 and -0 both 0): neighbours differ by 1."""
+    bits = q.view(torch.uint8).int()
+    magnitude = bits & 0x7F
+    return torch.where(bits & 0x80 != 0, -magnitude, magnitude)
 
 
 def fused_op_count(gm: torch.fx.GraphModule) -> int:
