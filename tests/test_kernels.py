@@ -16,6 +16,7 @@ Two parts:
   The interpreter is slow: its hypothesis sweeps are capped at ``MAX_KERNEL_EXAMPLES`` examples.
 """
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -33,8 +34,12 @@ from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hcpasses.kernels import gated_mean_quant as ops
-from hcpasses.kernels import gated_mean_quant_reference, quant_epilogue_reference, weighted_sum_quant_reference
+from hcpasses.kernels import (
+    contract,
+    gated_mean_quant_reference,
+    quant_epilogue_reference,
+    weighted_sum_quant_reference,
+)
 from models import fp8
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -253,14 +258,14 @@ def _assert_bit_exact(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, .
 
 def _assert_quant_matches(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero_rows: list[int]) -> None:
     """q and scale bit-exact against the quant reference applied to ``x``; zero rows: floor scale, zero codes."""
-    assert q.dtype == ops.FP8_DTYPE and q.shape == x.shape
+    assert q.dtype == contract.FP8_DTYPE and q.shape == x.shape
     assert scale.dtype == torch.float32 and scale.shape == (x.shape[0], 1)
     q_ref, scale_ref = quant_epilogue_reference(x)
     codes, codes_ref = q.view(torch.uint8), q_ref.view(torch.uint8)
     assert torch.isfinite(scale).all() and not q.float().isnan().any()
     assert torch.equal(scale, scale_ref), f"{int((scale != scale_ref).sum())} scales differ"
     assert torch.equal(codes, codes_ref), f"{int((codes != codes_ref).sum())} codes differ"
-    floor = torch.tensor(ops.MIN_SCALE, dtype=torch.float32)
+    floor = torch.tensor(contract.MIN_SCALE, dtype=torch.float32)
     assert (scale[zero_rows].cpu() == floor).all() and (q[zero_rows].float() == 0).all()  # -0.0 for a negative gate
 
 
@@ -268,8 +273,44 @@ def _assert_quant_matches(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 # The custom ops on CPU: the torch reference.
 
 
+def _kernel_module_imports() -> dict[str, set[str]]:
+    """For each module of hcpasses/kernels (not the package itself): the sibling modules it imports, at
+    module level or inside a function."""
+    folder = REPO_ROOT / "hcpasses" / "kernels"
+    names = {path.stem for path in folder.glob("*.py") if path.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        found: set[str] = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "hcpasses.kernels":
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hcpasses.kernels."):
+                found.add(node.module.rsplit(".", 1)[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.rsplit(".", 1)[1] for a in node.names if a.name.startswith("hcpasses.kernels.")}
+        graph[name] = found & names
+    return graph
+
+
+def test_kernel_modules_import_without_a_cycle() -> None:
+    """The contract is a leaf; the op definitions import the kernels and the lowering, never the reverse."""
+    graph = _kernel_module_imports()
+    assert graph["contract"] == set()
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import cycle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for imported in graph[name]:
+                visit(imported, (*path, name))
+            done.add(name)
+
+    for name in graph:
+        visit(name, ())
+
+
 def test_constants_follow_models_fp8() -> None:
-    assert (ops.FP8_MAX, ops.MIN_SCALE, ops.FP8_DTYPE) == (fp8.FP8_MAX, fp8.MIN_SCALE, fp8.FP8_DTYPE)
+    assert (contract.FP8_MAX, contract.MIN_SCALE, contract.FP8_DTYPE) == (fp8.FP8_MAX, fp8.MIN_SCALE, fp8.FP8_DTYPE)
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -285,7 +326,7 @@ def test_op_matches_contract_formula_and_models_quant(op: str, case: Case) -> No
     _assert_x_close(x, *_formula_x(op, streams, gates, case.n_streams))
     q_ref, scale_ref = fp8.quantize_per_token(x)
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    floor = torch.tensor(ops.MIN_SCALE, dtype=torch.float32)
+    floor = torch.tensor(contract.MIN_SCALE, dtype=torch.float32)
     assert (scale[zero] == floor).all() and (q[zero].float() == 0).all()
 
 
@@ -307,7 +348,7 @@ def test_quant_epilogue_bit_exact_with_models_fp8(
     _assert_bit_exact((q, scale), _contract_quant(x))  # the Triton tests' oracle is the contract's quant
     q_ref, scale_ref = fp8.quantize_per_token(x)
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    assert scale[0].item() == torch.tensor(ops.MIN_SCALE, dtype=torch.float32).item() and not q[0].float().any()
+    assert scale[0].item() == torch.tensor(contract.MIN_SCALE, dtype=torch.float32).item() and not q[0].float().any()
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -521,7 +562,7 @@ class TestTritonKernels:
         gen = torch.Generator().manual_seed(3)
         grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
         points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])  # 253 values in [0, 448]
-        scales = torch.cat([torch.tensor([ops.MIN_SCALE]), 10.0 ** (torch.rand(63, generator=gen) * 60 - 30)])
+        scales = torch.cat([torch.tensor([contract.MIN_SCALE]), 10.0 ** (torch.rand(63, generator=gen) * 60 - 30)])
         rows = []
         for s in scales.float():
             amax = (s.double() * 448).float()

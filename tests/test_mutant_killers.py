@@ -15,7 +15,7 @@ from harness import capture_post_grad, count_calls
 
 import hcpasses.rows  # noqa: F401  (registers torch.ops.hcpasses.shard_rows)
 from hcpasses.config import HCPassesConfig
-from hcpasses.kernels.gated_mean_quant import gated_mean_quant_reference
+from hcpasses.kernels.contract import gated_mean_quant_reference
 from hcpasses.manager import PassManager
 from hcpasses.patterns.gated_mean import per_token_quant, transformers_gated_mean
 

@@ -15,7 +15,7 @@ Two shapes of program (:class:`LaunchConfig`):
 - Chunked (``chunk < S``): ``CHUNK`` columns at a time; each chunk of x is stored with the running row
   max, then x is read back (from cache: this program just wrote it) to quantise.
 
-Bit-exactness with the torch reference (:mod:`hcpasses.kernels.gated_mean_quant`) on both paths below:
+Bit-exactness with the torch reference (:mod:`hcpasses.kernels.contract`) on both paths below:
 
 - Compiled (``HW_CASTS``): the hardware casts, ``.to(tl.bfloat16)`` / ``.to(tl.float16)`` and
   ``.to(tl.float8e4nv)`` after the clamp, all round-to-nearest-even like torch's casts. The per-element
@@ -53,10 +53,10 @@ import triton.language as tl
 from torch.library import wrap_triton
 from triton.language.extra import libdevice
 
-from hcpasses.kernels import gated_mean_quant as ops
+from hcpasses.kernels import contract
 
-FP8_MAX = tl.constexpr(ops.FP8_MAX)
-MIN_SCALE = tl.constexpr(ops.MIN_SCALE)
+FP8_MAX = tl.constexpr(contract.FP8_MAX)
+MIN_SCALE = tl.constexpr(contract.MIN_SCALE)
 # Below 2**-6 (the smallest e4m3 normal) the e4m3 grid step is 2**-9; adding 2**14 (whose fp32 ulp is
 # 2**-9) rounds to that grid with round-to-nearest-even, and subtracting it again is exact.
 E4M3_SUBNORMAL_MAGIC = tl.constexpr(16384.0)
@@ -401,32 +401,32 @@ def kernel_plan(hidden: int, n_streams: int, *, gated: bool, config: LaunchConfi
 
 def gated_mean_quant_triton(
     xn: torch.Tensor, u: torch.Tensor, n_streams: int, config: LaunchConfig | None = None
-) -> ops.Outputs:
+) -> contract.Outputs:
     """The fused gated mean + quant on ``xn``'s device: ``(x [T, S], q fp8 [T, S], scale fp32 [T, 1])``.
 
     ``xn``, ``u``: contiguous ``[T, n*S]``. ``config`` overrides :func:`default_launch_config`.
     """
-    ops.validate_gated_mean_inputs(xn, u, n_streams)
+    contract.validate_gated_mean_inputs(xn, u, n_streams)
     return _launch(xn, u, n_streams, config, gated=True, traceable=False)
 
 
 def weighted_sum_quant_triton(
     h: torch.Tensor, w: torch.Tensor, n_streams: int, config: LaunchConfig | None = None
-) -> ops.Outputs:
+) -> contract.Outputs:
     """The fused mHC collapse ``sum_s w[:, s] * h_s`` + quant on ``h``'s device; outputs as above.
 
     ``h``: contiguous ``[T, n*S]``; ``w``: contiguous ``[T, n]``.
     """
-    ops.validate_weighted_sum_inputs(h, w, n_streams)
+    contract.validate_weighted_sum_inputs(h, w, n_streams)
     return _launch(h, w, n_streams, config, gated=False, traceable=False)
 
 
-def gated_mean_quant_cuda(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> ops.Outputs:
+def gated_mean_quant_cuda(xn: torch.Tensor, u: torch.Tensor, n_streams: int) -> contract.Outputs:
     """CUDA body of the ``hcpasses::gated_mean_quant`` triton_op (inputs validated by the caller)."""
     return _launch(xn, u, n_streams, None, gated=True, traceable=True)
 
 
-def weighted_sum_quant_cuda(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> ops.Outputs:
+def weighted_sum_quant_cuda(h: torch.Tensor, w: torch.Tensor, n_streams: int) -> contract.Outputs:
     """CUDA body of the ``hcpasses::weighted_sum_quant`` triton_op (inputs validated by the caller)."""
     return _launch(h, w, n_streams, None, gated=False, traceable=True)
 
@@ -439,7 +439,7 @@ def _launch(
     *,
     gated: bool,
     traceable: bool,
-) -> ops.Outputs:
+) -> contract.Outputs:
     """Allocate the outputs and launch the kernel over the token rows (no launch when T is 0).
 
     ``traceable``: launch through ``wrap_triton`` (the triton_op bodies: traced into a graph under
@@ -449,7 +449,7 @@ def _launch(
     """
     tokens, width = streams.shape
     hidden = int(width // n_streams)  # a constexpr of the kernel: a symbolic width is specialised here
-    x, q, scale = ops.empty_outputs(streams, hidden)
+    x, q, scale = contract.empty_outputs(streams, hidden)
     if tokens == 0:
         return x, q, scale
     interpret = interpreting()

@@ -99,7 +99,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="quant_wrong_clamp",
         fault="the fused op's CPU reference clamps the FP8 codes to +-240 (the e4m3fnuz range) instead of +-448",
-        file="hcpasses/kernels/gated_mean_quant.py",
+        file="hcpasses/kernels/contract.py",
         old="""    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 """,
         new="""    q = torch.clamp(xf / scale, -240.0, 240.0).to(FP8_DTYPE)
@@ -122,7 +122,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="quant_of_unrounded_x",
         fault="the fused gated mean quantises its fp32 accumulator instead of x rounded to the activation dtype",
-        file="hcpasses/kernels/gated_mean_quant.py",
+        file="hcpasses/kernels/contract.py",
         old="""    return _with_quant(_ieee_div(_fixed_order_sum(terms), n_streams).to(xn.dtype))
 """,
         new="""    mean = _ieee_div(_fixed_order_sum(terms), n_streams)
