@@ -13,6 +13,9 @@ compiled a second time without SP and a ``TokenDispatch`` runs the sharded graph
 ``torch.compile(model, backend="hcpasses")`` finds ``compile_with_defaults`` through the
 ``torch_dynamo_backends`` entry point; its reports are on ``hcpasses.default_backend().reports``.
 
+Grad mode: a graph compiled with grad enabled and parameters or inputs that require grad is an autograd
+graph; its pipeline runs no pass and reports why (``hcpasses.manager.AUTOGRAD_REASON``).
+
 Reports and Inductor's caches: the FX graph cache key includes ``PassManager.uuid()`` (package
 sources + flags), so a cached graph is always one our passes produced under the same config. On a
 cache hit no pass runs; the backend then reloads the report it stored when the graph was first
@@ -64,6 +67,15 @@ def symbol_position(gm: fx.GraphModule, symbol: str) -> tuple[int, int | None] |
                 if str(size) == symbol:
                     return index, dim
     return None
+
+
+def is_autograd_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether AOTAutograd will build a forward + backward for this graph: grad mode is on and a graph
+    input (Dynamo lifts parameters to inputs) or a parameter still held by the module requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    inputs = (value for value in example_inputs if isinstance(value, torch.Tensor))
+    return any(value.requires_grad for value in inputs) or any(p.requires_grad for p in gm.parameters())
 
 
 class TokenCount:
@@ -124,6 +136,7 @@ class HCPassesBackend:
         self.manager = PassManager(config, self._add_report, passes)
         # The variant for small T when T is symbolic: the same pipeline without the SP rewrite.
         self.unsharded_manager = PassManager(dataclasses.replace(config, sp_rewrite=False), self._add_report, passes)
+        self.autograd_manager = PassManager(config, self._add_report, passes, autograd=True)
         self._report_store = Path(tempfile.gettempdir()) / f"hcpasses_reports_{getpass.getuser()}"
 
     def _add_report(self, report: GraphReport) -> None:
@@ -138,6 +151,8 @@ class HCPassesBackend:
         return patches
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if is_autograd_compile(gm, example_inputs):
+            return self._compile(gm, example_inputs, self.autograd_manager, "autograd")[0]
         compiled, reports = self._compile(gm, example_inputs, self.manager, "only")
         sharded = [r for r in reports if "sp_rewrite" in r.applied and r.record("sp_rewrite").status == "applied"]
         symbol = sharded[0].record("sp_rewrite").facts.get("symbolic_tokens") if sharded else None

@@ -9,6 +9,11 @@ every graph Inductor compiles it runs each registered pass whose flag is on, in 
 
 A pass that fails is rolled back and recorded, never a crash and never a half-rewritten graph. The
 report of each graph goes to ``on_report`` (the backend's ``reports`` list).
+
+Autograd graphs (the model compiled in grad mode with parameters or inputs that require grad): the
+backend hands them to a manager built with ``autograd=True``, which runs no pass and records each
+enabled pass as ``skipped`` with ``AUTOGRAD_REASON``. The forward of such a graph saves intermediates
+for the backward (the quant's fp32 values, the full-row streams), so neither rewrite is valid there.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ PIPELINE: tuple[GraphPass, ...] = (GatedMeanQuantFusion(), SPRewrite(), DeadCode
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
+AUTOGRAD_REASON = (
+    "an autograd graph (compiled in grad mode with parameters or inputs that require grad): its forward saves "
+    "intermediates for the backward, which the passes do not rewrite; for inference, compile and call the model "
+    "under torch.no_grad() or torch.inference_mode()"
+)
+
 
 def source_hash() -> str:
     """sha256 over every source file of the package, so any code change invalidates cached graphs."""
@@ -66,6 +77,7 @@ class PassManager(CustomGraphPass):
         config: HCPassesConfig,
         on_report: Callable[[GraphReport], None],
         passes: Sequence[GraphPass] = PIPELINE,
+        autograd: bool = False,
     ) -> None:
         unknown = [p.name for p in passes if p.name not in PASS_NAMES]
         if unknown:
@@ -73,9 +85,11 @@ class PassManager(CustomGraphPass):
         self.config = config
         self.passes = {p.name: p for p in passes}
         self.on_report = on_report
-        self._uuid = hashlib.sha256(
-            "|".join([source_hash(), config.describe(), *map(pass_fingerprint, passes)]).encode()
-        ).hexdigest()
+        self.autograd = autograd
+        # The grad mode is in the key: the backend's stored reports must not serve an autograd compile the
+        # record of an inference one (or the reverse).
+        parts = [source_hash(), config.describe(), f"autograd={autograd}", *map(pass_fingerprint, passes)]
+        self._uuid = hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     def uuid(self) -> str:
         # Each rank's graph bakes in its rank (shard_rows), and ranks share one on-disk cache.
@@ -84,6 +98,8 @@ class PassManager(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         report = GraphReport(index=-1, num_nodes_before=len(graph.nodes))  # the backend numbers it
+        if self.autograd:  # also the backward, which AOTAutograd compiles later, outside the backend's call
+            report.variant = "autograd"
         dump = GraphDump(self.config.dump_dir) if self.config.dump_dir else None
         for order, name in enumerate(PASS_NAMES, start=1):
             record = self._run_one(graph, name, order, dump)
@@ -96,6 +112,8 @@ class PassManager(CustomGraphPass):
     def _run_one(self, graph: fx.Graph, name: str, order: int, dump: GraphDump | None) -> PassRecord:
         if not self.config.pass_enabled(name):
             return PassRecord(name, "disabled", reason=f"flag {name}=False")
+        if self.autograd:
+            return PassRecord(name, "skipped", reason=AUTOGRAD_REASON)
         graph_pass = self.passes.get(name)
         if graph_pass is None:
             return PassRecord(name, "unavailable", reason="no pass of this name is registered in this version")

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-PassStatus = Literal["applied", "unchanged", "disabled", "unavailable", "rolled_back"]
+PassStatus = Literal["applied", "unchanged", "disabled", "skipped", "unavailable", "rolled_back"]
 
 
 @dataclasses.dataclass
@@ -14,7 +14,8 @@ class PassRecord:
     """One pass on one graph.
 
     ``status``: ``applied`` (rewrites were made), ``unchanged`` (ran, found nothing to do),
-    ``disabled`` (its flag is off), ``unavailable`` (no pass of that name is registered in this
+    ``disabled`` (its flag is off), ``skipped`` (not run on this graph: an autograd graph, see
+    ``hcpasses.manager.AUTOGRAD_REASON``), ``unavailable`` (no pass of that name is registered in this
     version), ``rolled_back`` (it raised or left a graph that failed verification; the graph was
     restored). ``reason`` says why whenever the status is not ``applied``.
     """
@@ -34,7 +35,8 @@ class GraphReport:
     """The passes' results on one graph Inductor compiled, in pipeline order.
 
     ``variant`` names which compile of the graph this is: ``only``, or with symbolic T and SP applied,
-    ``sharded`` (used for T >= sp_min_tokens) and ``unsharded`` (T below it).
+    ``sharded`` (used for T >= sp_min_tokens) and ``unsharded`` (T below it); ``autograd`` for the
+    forward and backward graphs of a grad-mode compile, on which no pass runs.
     ``cached`` is true when Inductor served the graph from its cache, so no pass ran in this process;
     the records then come from the compile that filled the cache (or are empty if that record is gone).
     """
