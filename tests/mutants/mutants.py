@@ -44,7 +44,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="sp_fp8_scales_through_bf16",
         fault="the SP all-gather sends the fp32 per-token FP8 scales as bf16 (rounded before the gather)",
-        file="hcpasses/sp_rewrite.py",
+        file="hcpasses/sp/emit.py",
         old="""            source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
             flat = self._flatten_tokens(source, k)
             gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, self.group))
@@ -65,7 +65,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="sp_gather_no_trim",
         fault="the gather after all_gather keeps the pad rows (R*tp rows instead of T)",
-        file="hcpasses/sp_rewrite.py",
+        file="hcpasses/sp/emit.py",
         old="""            full = self.graph.call_function(aten.slice.Tensor, (waited, 0, 0, self.tokens))
 """,
         new="""            full = waited
@@ -85,7 +85,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="sp_reduce_scatter_wrong_dim",
         fault="the reduce-scatter splits the rows interleaved (rank r gets rows r, r+tp, ...) instead of in blocks",
-        file="hcpasses/sp_rewrite.py",
+        file="hcpasses/sp/emit.py",
         old="""            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
 """,
         new="""            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
