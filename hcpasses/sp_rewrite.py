@@ -34,15 +34,19 @@ How the region is found:
 - A full-size term added into the streams from outside (an MTP drafter's projected next-token embedding,
   ``streams = norm(state) + e``) is sharded where it joins: streams are replicated, so is the term. So a
   target's HC state flows into its drafter still sharded when both are in one graph.
-- The region starts at the first HC block after the last op that is not row-local (e.g. the PLE conv):
-  when a region node fails a check, the start moves to the next HC block after it.
+- Regions are cut block by block: a node that fails a check (e.g. the PLE conv over tokens, or a block
+  whose norm the analysis cannot read) ends the region before it, the values it reads are gathered
+  there, and the next HC block after it starts a new region. So one unfamiliar piece costs only the
+  blocks it touches; the report lists every cut with its node and reason::
+
+      h -> [HC blocks, sharded] -> all_gather(h) -> PLE conv (full rows) -> shard_rows -> [HC blocks, sharded]
 
 Applies when: torch.distributed is initialised with tp > 1, the all-reduces are sum over the default
 group, T >= ``sp_min_tokens`` (static T; with symbolic T the graph is correct for every T and the
-backend dispatches small T to an unsharded variant), and at least one all-reduce feeds an HC block
-after the region start. Otherwise the graph is left untouched and the report says why.
+backend dispatches small T to an unsharded variant), and some HC block has an all-reduce feeding a later
+HC block with only row-local nodes in between. Otherwise the graph is left untouched and the report says why.
 
-Code: the analysis (what is shardable, where the region starts, why not) is :mod:`hcpasses.sp.region`; the
+Code: the analysis (what is shardable, where regions start and are cut, why) is :mod:`hcpasses.sp.region`; the
 emission (shards, reduce-scatters, gathers) is :mod:`hcpasses.sp.emit`; this file runs them and reports.
 """
 
@@ -57,7 +61,7 @@ from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.patterns.collapse import CollapseFinder
 from hcpasses.sp.emit import RegionRewriter
-from hcpasses.sp.region import NotRowLocal, all_reduces, find_region
+from hcpasses.sp.region import all_reduces, find_regions
 
 
 class SPRewrite(GraphPass):
@@ -79,26 +83,36 @@ class SPRewrite(GraphPass):
         notes = [f"HC blocks (collapses) found: {len(collapses)}", f"all-reduces: {len(reduces)}"]
         if why_not:
             return PassResult(0, why_not, tuple(notes))
-        try:
-            region, tokens = find_region(graph, collapses, reduces)
-        except NotRowLocal as err:
-            return PassResult(0, f"no shardable region: {err}", tuple(notes))
+        plan = find_regions(graph, collapses, reduces)
+        cuts = [f"region cut at {cut}" for cut in plan.cuts]
+        if not plan.regions:
+            return PassResult(0, "no shardable region: " + "; ".join(map(str, plan.cuts)), tuple(notes))
+        tokens = plan.tokens
         if isinstance(tokens, int) and tokens < config.sp_min_tokens:
             return PassResult(0, f"T={tokens} < sp_min_tokens={config.sp_min_tokens}", tuple(notes))
-        rewriter = RegionRewriter(graph, region, tokens, rank, tp)
-        gathered = rewriter.apply()
-        streams = [name for name in gathered if name in rewriter.stream_wide]
+        gathered: list[str] = []
+        streams: list[str] = []
+        for region in plan.regions:  # in graph order; the regions share no node
+            rewriter = RegionRewriter(graph, region, tokens, rank, tp)
+            exits = rewriter.apply()
+            gathered += exits
+            streams += [name for name in exits if name in rewriter.stream_wide]
+            notes += [
+                f"region starts at {region.start.name}: {region.why_start}",
+                f"  HC blocks sharded: {len(region.collapses)}; region nodes: {len(region.nodes)}; "
+                f"{len(region.reduces)} all-reduce -> reduce-scatter; {len(exits)} all-gathers: {', '.join(exits)}",
+            ]
+        entries = sum(len(region.entries) for region in plan.regions)
+        sharded = sum(len(region.collapses) for region in plan.regions)
         notes += [
-            f"region starts at {region.start.name}: {region.why_start}",
-            f"HC blocks sharded: {len(region.collapses)}; region nodes: {len(region.nodes)}",
-            f"collectives: {len(region.reduces)} all-reduce -> reduce-scatter; {len(gathered)} all-gathers added",
-            f"region exits gathered: {', '.join(gathered)}",
+            *cuts,
+            f"HC blocks sharded: {sharded} of {len(collapses)} in {len(plan.regions)} region(s)",
             f"stream-wide values gathered (n*S wide, e.g. a returned HC state): {', '.join(streams) or 'none'}",
             f"streams continue into another HC stack without a gather (e.g. an MTP drafter): "
-            f"{'yes' if region.entries else 'no'} ({len(region.entries)} full-size term(s) sharded where they join)",
+            f"{'yes' if entries else 'no'} ({entries} full-size term(s) sharded where they join)",
             f"rows per rank: ceil({tokens}/{tp})",
         ]
-        facts: dict[str, Any] = {"streams_gathered": len(streams), "entries_sharded": len(region.entries)}
+        facts: dict[str, Any] = {"streams_gathered": len(streams), "entries_sharded": entries, "cuts": len(plan.cuts)}
         if not isinstance(tokens, int):
             facts["symbolic_tokens"] = str(tokens)
-        return PassResult(len(region.collapses), None, tuple(notes), facts)
+        return PassResult(sharded, None, tuple(notes), facts)

@@ -11,7 +11,7 @@ from harness.reference import collective_counts
 
 from hcpasses.patterns.collapse import CollapseFinder
 from hcpasses.sp.emit import RegionRewriter
-from hcpasses.sp.region import NotRowLocal, all_reduces, find_region, stream_value
+from hcpasses.sp.region import all_reduces, ancestors, find_regions, stream_value
 from hcpasses.verify import verify_graph
 from models import HCConfig, HCDecoder
 
@@ -31,21 +31,31 @@ def check_parts(ple_layer: int | None) -> None:
         assert why_not is None and len(reduces) == 2 * LAYERS
         assert len(collapses) == 2 * LAYERS + 1  # attention and MLP HC per layer, the final mixer
         before = graph.python_code("self").src
-        region, tokens = find_region(graph, collapses, reduces)
+        plan = find_regions(graph, collapses, reduces)
         assert graph.python_code("self").src == before, "the analysis changed the graph"
-        assert tokens == TOKENS
-        unsharded = ple_layer or 0  # layers before and at the PLE layer keep their all-reduces
-        assert len(region.reduces) == 2 * (LAYERS - unsharded)
-        assert region.collapses == collapses[2 * unsharded :]
-        assert region.start is stream_value(region.collapses[0])
+        assert plan.tokens == TOKENS
+        # Every block is sharded; the PLE conv (over tokens) cuts the blocks before it from those after it.
         if ple_layer is None:
-            assert region.why_start == "first HC block of the graph"
+            assert plan.cuts == []
+            [region] = plan.regions
+            assert region.collapses == collapses and region.why_start == "first HC block of the graph"
         else:
-            assert region.why_start.startswith("first HC block after ") and "not" in region.why_start
-        RegionRewriter(graph, region, tokens, rank=0, tp=2).apply()
+            [cut] = plan.cuts
+            conv = next(node for node in graph.nodes if node.target is torch.ops.aten.convolution.default)
+            assert cut.node in ancestors([conv]) and "tokens" in str(cut), cut  # the PLE conv's input layout
+            first, second = plan.regions
+            assert first.collapses == collapses[: 2 * ple_layer]
+            assert second.collapses == collapses[2 * ple_layer :]
+            assert second.why_start == f"first HC block after {cut}"
+        assert [r.start for r in plan.regions] == [stream_value(r.collapses[0]) for r in plan.regions]
+        assert sum(len(r.reduces) for r in plan.regions) == 2 * LAYERS
+        for region in plan.regions:
+            RegionRewriter(graph, region, plan.tokens, rank=0, tp=2).apply()
         verify_graph(graph)
-    gathers = 2 * (LAYERS - unsharded) + 1  # each sub-layer input, the final mixer output
-    want = {"all_reduce": 2 * unsharded, "reduce_scatter": 2 * (LAYERS - unsharded), "all_gather": gathers}
+    # Each sub-layer input and the final mixer output are gathered; at the PLE cut, what the PLE reads: the
+    # streams (h + conv) and the conv's input, whose row-local part the region computes.
+    gathers = 2 * LAYERS + 1 + 2 * (ple_layer is not None)
+    want = {"all_reduce": 0, "reduce_scatter": 2 * LAYERS, "all_gather": gathers}
     assert collective_counts(captured.gm) == want
 
 
@@ -54,10 +64,10 @@ def test_analysis_reads_and_emission_rewrites_the_region(ple_layer: int | None) 
     check_parts(ple_layer)
 
 
-def test_analysis_names_the_node_that_stops_every_start() -> None:
+def test_analysis_without_a_region_names_the_node_that_stops_it() -> None:
     """Told that the final mixer is the only HC block, the analysis cannot place a region (the layers'
-    GEMMs sit between its start and the all-reduces): it raises, naming a node of the graph, and the graph
-    is unchanged."""
+    GEMMs sit between its start and the all-reduces): an empty plan whose cut names a node of the graph,
+    and the graph is unchanged."""
     cfg = HCConfig.tiny(n_layers=1, n_heads=12, n_kv_heads=12, intermediate=96, seed=2)
     ids = torch.randint(0, cfg.vocab_size, (TOKENS,), generator=torch.Generator().manual_seed(1))
     with fake_process_group(0, 2):
@@ -66,7 +76,8 @@ def test_analysis_names_the_node_that_stops_every_start() -> None:
         collapses = CollapseFinder().find(graph)
         reduces, _ = all_reduces(graph)
         before = graph.python_code("self").src
-        with pytest.raises(NotRowLocal) as err:
-            find_region(graph, collapses[-1:], reduces)
-        assert err.value.node in graph.nodes and str(err.value).startswith(f"{err.value.node.name} (")
+        plan = find_regions(graph, collapses[-1:], reduces)
+        assert plan.regions == []
+        [cut] = plan.cuts
+        assert cut.node in graph.nodes and str(cut).startswith(f"{cut.node.name} (")
         assert graph.python_code("self").src == before

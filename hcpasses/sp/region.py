@@ -1,7 +1,7 @@
 """SP region analysis: which stretch of a post-grad graph can run on token-row shards, and why not.
 
-Reads the graph, never changes it. ``find_region`` returns the ``Region`` the rewrite
-(:mod:`hcpasses.sp.emit`) shards, or raises ``NotRowLocal`` naming the node that stops it. The rules are
+Reads the graph, never changes it. ``find_regions`` returns a ``Plan``: the ``Region``s the rewrite
+(:mod:`hcpasses.sp.emit`) shards, and every cut (a ``NotRowLocal`` naming the node and why). The rules are
 those of :mod:`hcpasses.sp_rewrite`'s docstring: every region node row-local, every outside operand
 free of tokens (or a full-size term entering the streams), token dims the leading dims of each value.
 """
@@ -156,7 +156,15 @@ class _RegionBuilder:
         self.tokens = tokens
         self.token_carriers = token_carriers
 
-    def build(self, collapses: list[FoundCollapse], start: fx.Node, reduces: list[tuple[fx.Node, fx.Node]]) -> set:
+    def build(
+        self,
+        collapses: list[FoundCollapse],
+        start: fx.Node,
+        reduces: list[tuple[fx.Node, fx.Node]],
+        sinks: Iterable[fx.Node] = (),
+    ) -> set:
+        """The region from ``start`` to the ``collapses`` and to ``sinks`` (the inputs of the node that cuts
+        it: the region runs up to that node, which reads them gathered)."""
         self.entries: list[tuple[fx.Node, fx.Node]] = []
         stops = {out for c in collapses for out in c.outputs}
         live = {start, *(wait for _, wait in reduces)}
@@ -167,7 +175,7 @@ class _RegionBuilder:
                 continue
             if any((arg in reached or arg in live) and arg not in stops for arg in node.all_input_nodes):
                 reached.add(node)
-        wanted = ancestors(c.root for c in collapses) | stops
+        wanted = ancestors([*(c.root for c in collapses), *sinks]) | stops
         region = {node for node in reached if node in wanted}
         gates = _feeders({c.gate for c in collapses}, region)
         for node in [start, *(wait for _, wait in reduces)]:
@@ -305,36 +313,78 @@ def first_tensor(val: Any) -> torch.Tensor:
     return val
 
 
-def find_region(
-    graph: fx.Graph, collapses: list[FoundCollapse], reduces: list[tuple[fx.Node, fx.Node]]
-) -> tuple[Region, Any]:
-    """The region to shard and the token count N: from the first HC block whose region checks pass (a node
-    that fails moves the start to the next HC block after it). Raises ``NotRowLocal`` when no start works."""
+@dataclasses.dataclass
+class Plan:
+    """What the analysis found: the regions to shard in graph order, every cut (a node that ended a region or
+    kept one from starting, and why), and the token count N."""
+
+    regions: list[Region]
+    cuts: list[NotRowLocal]
+    tokens: Any
+
+
+def find_regions(graph: fx.Graph, collapses: list[FoundCollapse], reduces: list[tuple[fx.Node, fx.Node]]) -> Plan:
+    """Every region to shard, block by block; never raises.
+
+    A region starts at an HC block's stream value and takes the later blocks it can: a node that cannot run
+    on row shards ends it before that node (the values the node reads are gathered there) and the next HC
+    block after the node starts the next region. A block whose stream value cannot be found, or after which
+    no all-reduce feeds an HC block, starts none. One unfamiliar piece costs only the blocks it touches.
+    """
     order = node_order(graph)
-    sources = [stream_value(c) for c in collapses]
     tokens = collapse_tokens(collapses[0])
     carriers = descendants(
         graph,
         [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)] + [a for a, _ in reduces],
     )
     builder = _RegionBuilder(graph, tokens, carriers)
+    plan = Plan([], [], tokens)
     first, why_start = 0, "first HC block of the graph"
     while first < len(collapses):
-        start = sources[first]
-        later = collapses[first:]
-        feeding = ancestors(c.root for c in later)
+        region, cut = _region_from(builder, order, collapses[first:], reduces, why_start)
+        if region is not None:
+            plan.regions.append(region)
+        if cut is None:
+            break
+        plan.cuts.append(cut)
+        after = [i for i in range(first + 1, len(collapses)) if order[collapses[i].root] > order[cut.node]]
+        if not after:
+            break
+        first, why_start = after[0], f"first HC block after {cut}"
+    return plan
+
+
+def _region_from(
+    builder: _RegionBuilder,
+    order: dict[fx.Node, int],
+    blocks: list[FoundCollapse],
+    reduces: list[tuple[fx.Node, fx.Node]],
+    why_start: str,
+) -> tuple[Region | None, NotRowLocal | None]:
+    """The longest region starting at ``blocks[0]``'s stream value, and the cut that ended it (None when it
+    takes every block). Each failed attempt drops the blocks from the failing node on and runs the region up
+    to that node's inputs instead (the last sub-layer's reduce-scatter and write-back stay in the region)."""
+    try:
+        start = stream_value(blocks[0])
+    except NotRowLocal as err:
+        return None, err
+    cut: NotRowLocal | None = None
+    end, sinks = len(blocks), []
+    while end > 0:
+        feeding = ancestors([*(c.root for c in blocks[:end]), *sinks])
         used = [(ar, w) for ar, w in reduces if order[ar] > order[start] and w in feeding]
         if not used:
-            raise NotRowLocal(start, "no all-reduce feeds an HC block after this point")
+            return None, cut or NotRowLocal(start, "no all-reduce feeds an HC block after this point")
         try:
-            nodes = builder.build(later, start, used)
-            return Region(start, nodes, used, later, why_start, builder.entries), tokens
+            nodes = builder.build(blocks[:end], start, used, sinks)
         except NotRowLocal as err:
-            after = [i for i in range(first + 1, len(collapses)) if order[sources[i]] > order[err.node]]
-            if not after:
-                raise
-            first, why_start = after[0], f"first HC block after {err}"
-    raise AssertionError("unreachable: the loop returns or raises")
+            # Keep the blocks before the failing node and run the region up to it: each retry fails, if at
+            # all, at a node before this one, so the loop ends.
+            cut, sinks = err, err.node.all_input_nodes
+            end = sum(1 for c in blocks[:end] if order[c.root] < order[err.node])
+            continue
+        return Region(start, nodes, used, blocks[:end], why_start, builder.entries), cut
+    return None, cut
 
 
 def _is_integer_tensor(node: fx.Node) -> bool:

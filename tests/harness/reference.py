@@ -103,12 +103,23 @@ def sp_off(config: HCPassesConfig) -> HCPassesConfig:
     return dataclasses.replace(config, sp_rewrite=False)
 
 
-def assert_same_as_sp_off(sharded: Sequence[Any], unsharded: Sequence[Any], *, fp32_fp8: bool = False) -> None:
+def assert_same_as_sp_off(
+    sharded: Sequence[Any],
+    unsharded: Sequence[Any],
+    *,
+    fp32_fp8: bool = False,
+    eager: Sequence[torch.Tensor] | None = None,
+) -> None:
     """One rank's outputs with SP against the same rank's outputs of the SP-off graph.
 
-    bf16 / fp16 / integer outputs: bit-identical. fp32: within 1e-6; with ``fp32_fp8`` (an fp32 model whose
-    sub-layer inputs are FP8-quantised) a code on a rounding boundary may flip, moving a sub-layer input
-    by one e4m3 step, so the bound is the FP8 one (3e-2) and at most 1 % of the values may exceed 1e-6.
+    bf16 / fp16 / integer outputs: bit-identical. fp32: within 1e-6 of the SP-off value; with ``fp32_fp8``
+    (an fp32 model whose sub-layer inputs are FP8-quantised) a code on a rounding boundary may flip, moving a
+    sub-layer input by one e4m3 step, so the bound is the FP8 one (3e-2) and at most 1 % of the values may
+    exceed 1e-6. Given the single-device ``eager`` outputs, the fp32 bound is the larger of 1e-6 and 4x the
+    SP-off graph's own distance from eager: fp32 GEMMs over R rows round differently from the same GEMMs over
+    T rows, and a model that amplifies rounding (a PLE conv after sharded HC blocks: measured 1.5e-5 between
+    SP and SP off where SP off is 2.6e-5 from eager) carries that last-bit difference into its outputs. A
+    wrong row or a lost reduce is O(1), far above either bound.
     """
     assert len(sharded) == len(unsharded), (len(sharded), len(unsharded))
     for index, (got, want) in enumerate(zip(sharded, unsharded, strict=True)):
@@ -116,7 +127,9 @@ def assert_same_as_sp_off(sharded: Sequence[Any], unsharded: Sequence[Any], *, f
         if got.dtype != torch.float32:
             assert torch.equal(got, want), f"output {index} ({got.dtype}) differs from SP off: {_worst(got, want)}"
         elif not fp32_fp8:
-            torch.testing.assert_close(got, want, rtol=FP32_BOUND, atol=FP32_BOUND, msg=f"output {index}")
+            noise = float((want - eager[index]).abs().max()) if eager is not None else 0.0
+            bound = max(FP32_BOUND, 4 * noise)
+            torch.testing.assert_close(got, want, rtol=FP32_BOUND, atol=bound, msg=f"output {index}")
         else:
             torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2, msg=f"output {index}")
             off = (got - want).abs() > FP32_BOUND * (1 + want.abs())
