@@ -29,8 +29,8 @@ How the region is found:
   that keep the token dims in front, ``mm`` with a weight, ``bmm`` batched over tokens, the fused
   collapse ops), and every operand from outside
   the region must carry no tokens: a weight or constant broadcast over rows, or the right-hand side of
-  an HC GEMM. Weights in a mix or combine are HC weights, replicated by construction. An ``mm`` is
-  accepted only on the way to a collapse gate, so a TP-sharded projection can never land in the region.
+  a GEMM. An ``mm`` is row-local whatever its weight (an HC weight, replicated by construction, or a TP
+  shard of a projection reading the streams): row i of ``x @ W`` reads row i of x only.
 - A full-size term added into the streams from outside (an MTP drafter's projected next-token embedding,
   ``streams = norm(state) + e``) is sharded where it joins: streams are replicated, so is the term. So a
   target's HC state flows into its drafter still sharded when both are in one graph.

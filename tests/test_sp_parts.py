@@ -65,19 +65,19 @@ def test_analysis_reads_and_emission_rewrites_the_region(ple_layer: int | None) 
 
 
 def test_analysis_without_a_region_names_the_node_that_stops_it() -> None:
-    """Told that the final mixer is the only HC block, the analysis cannot place a region (the layers'
-    GEMMs sit between its start and the all-reduces): an empty plan whose cut names a node of the graph,
-    and the graph is unchanged."""
+    """With no all-reduce to turn into a reduce-scatter there is nothing to shard: an empty plan whose cuts
+    name the node where each attempt stopped, and the graph is unchanged."""
     cfg = HCConfig.tiny(n_layers=1, n_heads=12, n_kv_heads=12, intermediate=96, seed=2)
     ids = torch.randint(0, cfg.vocab_size, (TOKENS,), generator=torch.Generator().manual_seed(1))
     with fake_process_group(0, 2):
         [captured] = capture_post_grad(HCDecoder(cfg), (ids,), tp=2, rank=0, codegen=False)
         graph = captured.gm.graph
         collapses = CollapseFinder().find(graph)
-        reduces, _ = all_reduces(graph)
         before = graph.python_code("self").src
-        plan = find_regions(graph, collapses[-1:], reduces)
-        assert plan.regions == []
-        [cut] = plan.cuts
-        assert cut.node in graph.nodes and str(cut).startswith(f"{cut.node.name} (")
+        plan = find_regions(graph, collapses, [])
+        assert plan.regions == [] and plan.cuts
+        first = plan.cuts[0]
+        assert first.node is stream_value(collapses[0])
+        why = "no all-reduce feeds an HC block after this point"
+        assert str(first) == f"{first.node.name} ({first.node.target}): {why}"
         assert graph.python_code("self").src == before

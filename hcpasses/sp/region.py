@@ -177,11 +177,10 @@ class _RegionBuilder:
                 reached.add(node)
         wanted = ancestors([*(c.root for c in collapses), *sinks]) | stops
         region = {node for node in reached if node in wanted}
-        gates = _feeders({c.gate for c in collapses}, region)
         for node in [start, *(wait for _, wait in reduces)]:
             self._check_rows(node)
         for node in sorted(region, key=node_order(self.graph).__getitem__):
-            self.check(node, region | live, gates)
+            self.check(node, region | live)
         return region
 
     def dims(self, node: fx.Node) -> int:
@@ -193,9 +192,9 @@ class _RegionBuilder:
             raise NotRowLocal(node, f"{shape} does not lead with the {self.tokens} tokens")
         return k
 
-    def check(self, node: fx.Node, sharded: set[fx.Node], gates: set[fx.Node]) -> None:
+    def check(self, node: fx.Node, sharded: set[fx.Node]) -> None:
         self._check_rows(node)
-        self._check_op(node, gates)
+        self._check_op(node)
         for position, arg in enumerate(node.args):
             for operand in _tensor_nodes(arg):
                 if operand not in sharded:
@@ -212,7 +211,7 @@ class _RegionBuilder:
             if k > 1 and not all(isinstance(size, int) for size in val.shape[k:]):
                 raise NotRowLocal(node, f"result {tuple(val.shape)} has symbolic sizes after its token dims")
 
-    def _check_op(self, node: fx.Node, gates: set[fx.Node]) -> None:
+    def _check_op(self, node: fx.Node) -> None:
         target = node.target
         if target in SIZE_OPS:
             self._check_resize(node)
@@ -233,8 +232,10 @@ class _RegionBuilder:
             if not dims or any(d % ndim < self.dims(node.args[0]) for d in dims):
                 raise NotRowLocal(node, "reduces over a token dim")
         elif target is aten.mm.default:
-            if node not in gates:
-                raise NotRowLocal(node, "a GEMM that does not feed an HC collapse gate (its weight may be sharded)")
+            # Row i of x @ W is a function of row i of x alone, whatever W is (an HC weight, or a TP shard of
+            # a projection that reads the streams); _check_operand makes sure W carries no tokens.
+            if self.dims(node.args[0]) != 1:
+                raise NotRowLocal(node, "a GEMM whose left operand does not lead with the tokens")
         elif target is aten.bmm.default:  # batched over tokens (mHC's per-token comb @ streams); operands checked
             if self.dims(node) != 1:
                 raise NotRowLocal(node, "a batched GEMM whose batch dim is not the tokens")
@@ -266,7 +267,7 @@ class _RegionBuilder:
             raise NotRowLocal(node, f"reads {operand.name}, which carries tokens but is not in the region")
         val, out = value_of(operand), first_tensor(value_of(node))
         if node.target is aten.mm.default and position == 1:
-            return  # the weight of an HC GEMM (mm is only accepted on the way to a collapse gate)
+            return  # the right-hand side of a GEMM: carries no tokens (checked above), used whole by every row
         # Broadcasting aligns dims from the right: the operand's dims under the token dims must be 1.
         offset = out.dim() - val.dim()
         under_tokens = [val.shape[i - offset] for i in range(self.dims(node)) if i >= offset]
@@ -287,18 +288,6 @@ class _RegionBuilder:
             and val.dim() == out.dim()
             and all(same_size(a, b) for a, b in zip(val.shape, out.shape, strict=True))
         )
-
-
-def _feeders(gates: set[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
-    """Region nodes from which a collapse gate is reached along region nodes only (the mix's GEMMs)."""
-    seen: set[fx.Node] = set()
-    stack = [g for g in gates if g in region]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(arg for arg in node.all_input_nodes if arg in region)
-    return seen
 
 
 def _tensor_nodes(arg: Any) -> list[fx.Node]:

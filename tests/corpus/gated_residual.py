@@ -1,0 +1,124 @@
+"""HC models written the way other code bases write them, independently of ``models/``.
+
+``UserHC``: a Qwen3.8-Flash-Next-style stack (the gated residual of transformers' ``Qwen4ExpTextGatedResidual``
+in its math: grouped norm, down/up GEMMs, gated mean, ``2*sigmoid(l/n)`` inject), SwiGLU sub-layers that
+all-reduce through functional collectives, a final gated-mean mixer, and only the logits returned. The grouped
+norm is one of ``NORMS``: the spellings seen in public code (rsqrt in fp32 and back, ``x / sqrt(mean(x^2) + eps)``
+in the activation dtype, ``F.rms_norm``, Gemma's ``(1 + w)``). An optional causal depthwise conv over tokens
+on the streams (a non-row-local op) starts one layer.
+
+Weights are drawn full-size from a seed and each rank takes its TP slice, so any tp computes the tp = 1 model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def norm_rsqrt(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def norm_sqrt_div(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps))
+
+
+def norm_functional(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def norm_gemma(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(x.dtype)
+
+
+NORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "rsqrt": norm_rsqrt,
+    "sqrt_div": norm_sqrt_div,
+    "F.rms_norm": norm_functional,
+    "gemma": norm_gemma,
+}
+
+
+def _frozen(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(t.to(dtype), requires_grad=False)
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, n: int, hidden: int, rank: int, norm: str, g: torch.Generator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n, self.hidden, self.norm = n, hidden, NORMS[norm]
+        width = n * hidden
+        self.norm_weight = _frozen(1 + 0.1 * torch.randn(hidden, generator=g), dtype)
+        self.down = _frozen(torch.randn(rank, width, generator=g) * width**-0.5, dtype)
+        self.up = _frozen(torch.randn(width, rank, generator=g) * rank**-0.5, dtype)
+        self.inject = _frozen(torch.randn(n, width, generator=g) * width**-0.5, dtype)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = self.norm(h.unflatten(-1, (self.n, self.hidden)), self.norm_weight, 1e-6).flatten(-2)
+        gate = torch.sigmoid(F.linear(F.silu(F.linear(normed, self.down) / self.n), self.up))
+        x = (gate.unflatten(-1, (self.n, self.hidden)) * normed.unflatten(-1, (self.n, self.hidden))).mean(dim=-2)
+        return x, 2 * torch.sigmoid(F.linear(normed, self.inject) / self.n)
+
+    def combine(self, h: torch.Tensor, y: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+        return (h.unflatten(-1, (self.n, self.hidden)) + inject.unsqueeze(-1) * y.unsqueeze(-2)).flatten(-2)
+
+
+class SwiGLU(nn.Module):
+    """Column-parallel gate/up, row-parallel down, then a functional all-reduce (tp > 1)."""
+
+    def __init__(self, hidden: int, inner: int, tp: int, rank: int, g: torch.Generator, dtype: torch.dtype) -> None:
+        super().__init__()
+        gate, up = (torch.randn(inner, hidden, generator=g) * hidden**-0.5 for _ in range(2))
+        down = torch.randn(hidden, inner, generator=g) * inner**-0.5
+        rows = slice(rank * inner // tp, (rank + 1) * inner // tp)
+        self.gate_up = _frozen(torch.cat([gate[rows], up[rows]]), dtype)
+        self.down = _frozen(down[:, rows], dtype)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, self.down)
+        return funcol.all_reduce(y, "sum", dist.group.WORLD) if self.tp > 1 else y
+
+
+class UserHC(nn.Module):
+    def __init__(
+        self,
+        norm: str = "rsqrt",
+        layers: int = 2,
+        conv_layer: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        tp: int = 1,
+        rank: int = 0,
+        n: int = 4,
+        hidden: int = 32,
+        vocab: int = 64,
+    ) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.n, self.conv_layer = n, conv_layer
+        self.embed = _frozen(torch.randn(vocab, hidden, generator=g), dtype)
+        self.blocks = nn.ModuleList(GatedResidual(n, hidden, 8, norm, g, dtype) for _ in range(2 * layers))
+        self.sublayers = nn.ModuleList(SwiGLU(hidden, 64, tp, rank, g, dtype) for _ in range(2 * layers))
+        self.final = GatedResidual(n, hidden, 8, norm, g, dtype)
+        self.conv = _frozen(torch.randn(n * hidden, 1, 3, generator=g) * 0.3, dtype)
+        self.head = _frozen(torch.randn(vocab, hidden, generator=g) * hidden**-0.5, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed[ids].repeat(1, self.n)
+        for index, (block, sublayer) in enumerate(zip(self.blocks, self.sublayers, strict=True)):
+            if index == 2 * (self.conv_layer if self.conv_layer is not None else -1):
+                # causal depthwise conv over tokens on every stream: not row-local
+                conv = F.conv1d(F.pad(h.t().unsqueeze(0), (2, 0)), self.conv, groups=h.shape[-1])
+                h = h + conv[0].t()
+            x, inject = block(h)
+            h = block.combine(h, sublayer(x), inject)
+        return F.linear(self.final(h)[0], self.head)
