@@ -22,7 +22,7 @@ from typing import Any
 log = logging.getLogger("hcpasses")
 
 # One boolean flag per pass, in the order the manager runs them.
-PASS_NAMES: tuple[str, ...] = ("gated_mean_quant", "sp_rewrite", "cleanup")
+PASS_NAMES: tuple[str, ...] = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
 
 ENV_DISABLE = "HCPASSES_DISABLE"
 ENV_DUMP_DIR = "HCPASSES_DUMP_DIR"
@@ -33,6 +33,7 @@ class HCPassesConfig:
     """The resolved configuration of one backend object.
 
     Attributes:
+        canonical_forms: rewrite equivalent quant spellings into the fusion's form (exact rewrites only).
         cleanup: run the built-in cleanup pass (removes ops whose results nothing uses).
         gated_mean_quant: fuse the HC gated mean with the per-token FP8 quant that follows it.
         sp_rewrite: shard the HC residual streams by tokens across TP ranks.
@@ -42,6 +43,7 @@ class HCPassesConfig:
             like ``mode="reduce-overhead"``; sharded graphs are never captured.
     """
 
+    canonical_forms: bool = True
     cleanup: bool = True
     gated_mean_quant: bool = True
     sp_rewrite: bool = True

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from hcpasses.canonical import CanonicalForms
 from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import PASS_NAMES, HCPassesConfig
 from hcpasses.dumps import GraphDump, graph_code
@@ -42,7 +43,7 @@ log = logging.getLogger("hcpasses")
 
 # The registered passes. Adding a pass is one line here plus its flag in config.PASS_NAMES; the
 # manager runs them in config.PASS_NAMES order.
-PIPELINE: tuple[GraphPass, ...] = (GatedMeanQuantFusion(), SPRewrite(), DeadCodeCleanup())
+PIPELINE: tuple[GraphPass, ...] = (CanonicalForms(), GatedMeanQuantFusion(), SPRewrite(), DeadCodeCleanup())
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 

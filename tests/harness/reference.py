@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hcpasses.canonical import CanonicalForms
 from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import HCPassesConfig
 from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
@@ -83,7 +84,9 @@ def capture_with_passes(
     the SP pass was given (when it ran)."""
     reports: list[GraphReport] = []
     snapshot = SnapshotBeforeSP()
-    manager = PassManager(config, reports.append, passes=(GatedMeanQuantFusion(), snapshot, DeadCodeCleanup()))
+    manager = PassManager(
+        config, reports.append, passes=(CanonicalForms(), GatedMeanQuantFusion(), snapshot, DeadCodeCleanup())
+    )
     patches = {**capture_kwargs.pop("config_patches", {}), "post_grad_custom_pre_pass": manager}
     captures = capture_ranks(build_fn, args_fn, tp, config_patches=patches, **capture_kwargs)
     if config.sp_rewrite and len(snapshot.graphs) != len(reports):
