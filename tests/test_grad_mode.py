@@ -14,7 +14,7 @@ from hcpasses.manager import AUTOGRAD_REASON
 from models import HCConfig, HCDecoder
 
 CFG = HCConfig.tiny(n_layers=2, fp8=True, dtype=torch.float32, seed=3)
-PASSES = ("gated_mean_quant", "sp_rewrite", "cleanup")
+PASSES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
 
 
 def compile_and_run(

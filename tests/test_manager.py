@@ -125,9 +125,10 @@ def test_passes_run_in_pipeline_order_and_report_counts() -> None:
     out, expected = compile_and_run(be)
     torch.testing.assert_close(out, expected)
     (report,) = be.reports
-    assert [r.name for r in report.passes] == ["gated_mean_quant", "sp_rewrite", "cleanup"]
-    assert report.applied == {"gated_mean_quant": 1, "sp_rewrite": 0, "cleanup": 1}
+    assert [r.name for r in report.passes] == ["canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup"]
+    assert report.applied == {"canonical_forms": 0, "gated_mean_quant": 1, "sp_rewrite": 0, "cleanup": 1}
     assert report.record("sp_rewrite").status == "unavailable"
+    assert report.record("canonical_forms").status == "unavailable"
     assert report.record("gated_mean_quant").notes == ("left one unused mul",)
     assert report.num_nodes_after == report.num_nodes_before
     text = str(report)
