@@ -5,9 +5,9 @@ Layout under the dump dir (``rankN/`` added when torch.distributed is initialise
     index.md                      one row per (graph, pass): status, rewrites, ms, files
     index.json                    the same, as the GraphReports, for tools
     graph_000/
-        1_gated_mean_quant.before.py
-        1_gated_mean_quant.after.py
-        1_gated_mean_quant.diff
+        2_gated_mean_quant.before.py
+        2_gated_mean_quant.after.py
+        2_gated_mean_quant.diff
         ...
 
 Files are written only for passes that changed the graph (like LLVM's ``-print-changed``). Graph

@@ -202,20 +202,20 @@ def test_dumps_only_for_passes_that_changed_the_graph(tmp_path) -> None:
     assert folders == ["graph_000"]
     files = sorted(p.name for p in (tmp_path / "graph_000").iterdir())
     assert files == [
-        "1_gated_mean_quant.after.py",
-        "1_gated_mean_quant.before.py",
-        "1_gated_mean_quant.diff",
-        "3_cleanup.after.py",
-        "3_cleanup.before.py",
-        "3_cleanup.diff",
+        "2_gated_mean_quant.after.py",
+        "2_gated_mean_quant.before.py",
+        "2_gated_mean_quant.diff",
+        "4_cleanup.after.py",
+        "4_cleanup.before.py",
+        "4_cleanup.diff",
     ]
-    diff = (tmp_path / "graph_000" / "1_gated_mean_quant.diff").read_text()
+    diff = (tmp_path / "graph_000" / "2_gated_mean_quant.diff").read_text()
     added = [line for line in diff.splitlines() if line.startswith("+") and "torch.ops." in line]
     assert len(added) == 1 and "aten.mul.Tensor" in added[0]
-    cleanup_diff = (tmp_path / "graph_000" / "3_cleanup.diff").read_text()
+    cleanup_diff = (tmp_path / "graph_000" / "4_cleanup.diff").read_text()
     assert any(line.startswith("-") and "aten.mul.Tensor" in line for line in cleanup_diff.splitlines())
     index = (tmp_path / "index.md").read_text()
-    assert "graph_000" in index and "[diff](graph_000/1_gated_mean_quant.diff)" in index
+    assert "graph_000" in index and "[diff](graph_000/2_gated_mean_quant.diff)" in index
     assert "rolled_back" in index
     entries = json.loads((tmp_path / "index.json").read_text())
     assert entries[0]["report"]["passes"][0]["applied"] == 1
@@ -229,7 +229,7 @@ def test_dumps_bypass_the_cache_and_number_graphs(tmp_path) -> None:
         torch.compile(model, backend=be)(x, w)
         assert not be.reports[0].cached
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["graph_000", "graph_001"]
-    assert (tmp_path / "graph_001" / "1_gated_mean_quant.diff").exists()
+    assert (tmp_path / "graph_001" / "2_gated_mean_quant.diff").exists()
 
 
 def test_dumps_go_to_a_rank_folder_when_distributed(tmp_path) -> None:
@@ -241,7 +241,7 @@ def test_dumps_go_to_a_rank_folder_when_distributed(tmp_path) -> None:
     finally:
         dist.destroy_process_group()
     assert (tmp_path / "rank0" / "index.md").exists()
-    assert (tmp_path / "rank0" / "graph_000" / "1_gated_mean_quant.diff").exists()
+    assert (tmp_path / "rank0" / "graph_000" / "2_gated_mean_quant.diff").exists()
 
 
 def test_uuid_changes_with_every_flag() -> None:
