@@ -107,6 +107,8 @@ class SPRewrite(GraphPass):
         notes += [
             *cuts,
             f"HC blocks sharded: {sharded} of {len(collapses)} in {len(plan.regions)} region(s)",
+            f"collectives: {sum(len(r.reduces) for r in plan.regions)} all-reduce -> reduce-scatter; "
+            f"{len(gathered)} all-gathers added",
             f"stream-wide values gathered (n*S wide, e.g. a returned HC state): {', '.join(streams) or 'none'}",
             f"streams continue into another HC stack without a gather (e.g. an MTP drafter): "
             f"{'yes' if entries else 'no'} ({entries} full-size term(s) sharded where they join)",
