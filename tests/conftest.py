@@ -17,3 +17,18 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+# The long property tests run first: under pytest-xdist (-n 2, load scheduling deals the first tests round
+# robin) each worker starts one of them at once and the short tests fill in around them. Left at the end of
+# the collection order, they would start last and run alone.
+LONG_TESTS = (
+    "test_static_sharded_graph_matches_sp_off_and_eager",
+    "test_dynamic_sharded_graph_matches_sp_off_and_eager",
+    "test_batched_streams_are_sharded_and_match_sp_off_and_eager",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: index for index, name in enumerate(LONG_TESTS)}
+    items.sort(key=lambda item: rank.get(item.originalname, len(LONG_TESTS)))

@@ -134,7 +134,10 @@ def test_dynamic_compile_of_the_drafter_finds_its_hc_blocks() -> None:
     _, drafter = agreeing_models(0, 1)
     torch._dynamo.reset()
     be = hcpasses.backend()
-    with torch.no_grad(), torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+    # Caches off: a shared cache dir (xdist workers, other runs) has served this compile code built with the
+    # vector ISA, which fails to build under vec_isa_ok=False ("at::vec has not been declared").
+    patches = {"cpp.vec_isa_ok": False, "force_disable_caches": True}
+    with torch.no_grad(), torch._inductor.config.patch(patches):
         torch.compile(drafter, backend=be, dynamic=True)(random_state(6, seed=16), random_ids(6, seed=17))
     # attention HC, MLP HC, final mixer
     reason = be.reports[-1].record("gated_mean_quant").reason
@@ -208,7 +211,10 @@ def tp_rank_main(rank: int, world_size: int) -> dict[str, Any]:
     prompt = random_ids(PROMPT_TOKENS, seed=10)
     results: dict[str, Any] = {}
     # Scalar C++ compiles in about half the time of vectorised C++ on CPU; the passes run before codegen.
-    with torch.no_grad(), torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+    # Caches off: a shared cache dir (xdist workers, other runs) has served this compile code built with the
+    # vector ISA, which fails to build under vec_isa_ok=False ("at::vec has not been declared").
+    patches = {"cpp.vec_isa_ok": False, "force_disable_caches": True}
+    with torch.no_grad(), torch._inductor.config.patch(patches):
         results["eager-recomputed"] = speculative_decode(target, drafter, prompt, NEW_TOKENS, recompute=True)
         for name, flags in BACKENDS.items():
             torch._dynamo.reset()
