@@ -23,8 +23,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # robin) each worker starts one of them at once and the short tests fill in around them. Left at the end of
 # the collection order, they would start last and run alone.
 LONG_TESTS = (
-    "test_static_sharded_graph_matches_sp_off_and_eager",
-    "test_dynamic_sharded_graph_matches_sp_off_and_eager",
+    "test_sharded_graph_matches_sp_off_and_eager",
     "test_batched_streams_are_sharded_and_match_sp_off_and_eager",
 )
 

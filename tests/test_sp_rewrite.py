@@ -187,23 +187,13 @@ def token_counts(draw: st.DrawFn, tp: int, dynamic: bool) -> int:
     return count
 
 
-# The property runs as two tests, static-T cases and dynamic-T cases, each with the profile's examples: their
-# captures (one per rank per case, and per static T) dominate the cost, and as two tests they run on two
-# cores under pytest-xdist. Together they take longer than the suite's 600 s per-test limit under the ci
-# profile: an explicit budget.
-STATIC_CASES = [case for case in CASES if not case.dynamic]
-DYNAMIC_CASES = [case for case in CASES if case.dynamic]
-
-
-@pytest.mark.timeout(1800)
-@given(data=st.data(), case=st.sampled_from(STATIC_CASES), seed=st.integers(0, 2**16))
-def test_static_sharded_graph_matches_sp_off_and_eager(data: st.DataObject, case: Case, seed: int) -> None:
-    check_sharded_graph(data, case, seed)
-
-
-@pytest.mark.timeout(1800)
-@given(data=st.data(), case=st.sampled_from(DYNAMIC_CASES), seed=st.integers(0, 2**16))
-def test_dynamic_sharded_graph_matches_sp_off_and_eager(data: st.DataObject, case: Case, seed: int) -> None:
+# Its captures (one per rank per case, and per static T) and three runs per example take longer than the
+# suite's 600 s per-test limit under the ci profile: an explicit budget. One test over all cases (split into
+# static and dynamic tests, each drew the profile's 100 examples: twice the examples, and the dynamic half
+# alone ran past 1800 s in CI).
+@pytest.mark.timeout(2400)
+@given(data=st.data(), case=st.sampled_from(CASES), seed=st.integers(0, 2**16))
+def test_sharded_graph_matches_sp_off_and_eager(data: st.DataObject, case: Case, seed: int) -> None:
     check_sharded_graph(data, case, seed)
 
 
