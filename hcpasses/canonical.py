@@ -1,20 +1,26 @@
-"""Canonical forms pass: spellings of the per-token quant that compute the same values become the one form
-the fusion's patterns are written in.
+"""Canonical forms pass: spellings of the per-token quant and of the stream collapse that compute the same
+values become the one form the fusion's and SP's patterns are written in.
 
-Before (two spellings of the quant's row amax seen in public code)::
+Before (spellings seen in public code)::
 
     values, _ = aten.max.dim(abs(xf), -1, True)          # torch.max(xf.abs(), dim=-1, keepdim=True).values
     a = convert(amax(abs(x), [-1], True), f32)           # x.abs().amax(-1, keepdim=True).float(), x bf16/fp16
+    m = mul(sum(g, [d]), 0.25)                           # g.sum(d) * (1 / n), g's dim d of size n = 4
+    s = sigmoid(reshape(u, [T, n, S]))                   # u.unflatten(-1, (n, S)).sigmoid(), u [T, n*S]
 
 After::
 
     values = aten.amax(abs(xf), [-1], True)
     a = amax(abs(xf), [-1], True)       xf = convert(x, f32): the quant's own upcast of x when it has one
+    m = div(sum(g, [d]), 4)
+    s = reshape(sigmoid(u), [T, n, S])
 
-Both are exact: ``max.dim``'s values are ``amax``'s, and upcasting bf16 / fp16 to fp32 is exact and keeps
-order, so the max of the upcast values is the upcast of the max. Forms that would change numerics are left
-alone (their quant then does not fuse and the fusion's report names the path to it): a multiply by the
-reciprocal scale instead of a division, an amax clamped before the division, another FP8 max.
+All are exact: ``max.dim``'s values are ``amax``'s; upcasting bf16 / fp16 to fp32 is exact and keeps order, so
+the max of the upcast values is the upcast of the max; for n a power of two, ``1 / n`` is exact and both
+products are the same real number, rounded once; an elementwise op commutes with a reshape. Forms that would
+change numerics are left alone (their quant then does not fuse and the fusion's report names the path to it):
+a multiply by the reciprocal scale instead of a division, an amax clamped before the division, another FP8
+max, ``* (1 / n)`` for an n that is not a power of two.
 
 Applies to every graph (each rewrite is local); reports each rewrite with its node. Hand-written on plain FX
 rather than with Inductor's pattern matcher: each is a one-node rewrite with a dtype precondition.
@@ -29,6 +35,7 @@ import torch.fx as fx
 
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
+from hcpasses.patterns.tracing import split_streams
 
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default
@@ -94,11 +101,52 @@ def _move_before(graph: fx.Graph, node: fx.Node, user: fx.Node) -> None:
         user.prepend(node)
 
 
-REWRITES = (max_values_to_amax, upcast_before_amax)
+def reciprocal_to_division(graph: fx.Graph, node: fx.Node) -> str | None:
+    """``mul(sum(g, [d]), 1/n)`` with n = g's size along d a power of two -> ``div(sum(g, [d]), n)``."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
+        return None
+    total, factor = node.args
+    if not isinstance(total, fx.Node) or total.target is not aten.sum.dim_IntList or not isinstance(factor, float):
+        return None
+    dims, source = total.args[1], _val(total.args[0])
+    if not isinstance(source, torch.Tensor) or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return None
+    n = source.shape[dims[0]]
+    if not isinstance(n, int) or n < 1 or n & (n - 1) or factor != 1.0 / n:
+        return None
+    with graph.inserting_before(node):
+        division = graph.call_function(aten.div.Tensor, (total, n))
+    division.meta["val"] = _val(node)
+    node.replace_all_uses_with(division)
+    graph.erase_node(node)
+    return f"sum * (1/{n}) -> sum / {n}: {division.name}"
+
+
+def sigmoid_before_stream_split(graph: fx.Graph, node: fx.Node) -> str | None:
+    """``sigmoid(reshape(u, [..., n, S]))`` of a ``[..., n*S]`` u -> ``reshape(sigmoid(u), [..., n, S])``."""
+    if node.target is not aten.sigmoid.default:
+        return None
+    split = node.args[0]
+    if not isinstance(split, fx.Node) or split.target is not aten.reshape.default or split_streams(split) is None:
+        return None
+    source = split.args[0]
+    with graph.inserting_before(node):
+        gate = graph.call_function(aten.sigmoid.default, (source,))
+        gate.meta["val"] = _val(source).sigmoid()
+        reshaped = graph.call_function(aten.reshape.default, (gate, split.args[1]))
+    reshaped.meta["val"] = _val(node)
+    node.replace_all_uses_with(reshaped)
+    graph.erase_node(node)
+    if not split.users:
+        graph.erase_node(split)
+    return f"sigmoid after the stream split -> before it: {gate.name}"
+
+
+REWRITES = (max_values_to_amax, upcast_before_amax, reciprocal_to_division, sigmoid_before_stream_split)
 
 
 class CanonicalForms(GraphPass):
-    """Rewrites equivalent quant spellings into the fusion's canonical form (exact rewrites only)."""
+    """Rewrites equivalent quant and collapse spellings into the patterns' canonical form (exact rewrites only)."""
 
     name = "canonical_forms"
 
@@ -107,7 +155,11 @@ class CanonicalForms(GraphPass):
         while note := self._rewrite_one(graph):  # a rewrite erases nodes: scan again (graphs are small)
             notes.append(note)
         if not notes:
-            return PassResult(0, "no equivalent spelling to rewrite (max.dim values, amax before the upcast)")
+            return PassResult(
+                0,
+                "no equivalent spelling to rewrite (max.dim values, amax before the upcast, sum * (1/2^k), "
+                "sigmoid after the stream split)",
+            )
         return PassResult(len(notes), None, tuple(notes))
 
     @staticmethod

@@ -40,11 +40,17 @@ def model_config(fp8: bool) -> HCConfig:
     return HCConfig.tiny(n_layers=2, fp8=fp8, intermediate=96, seed=5)
 
 
-@functools.lru_cache(maxsize=64)
 def captured(case: tuple, shape: tuple[int, int]) -> RankGraphs:
-    """The case's graphs with SP (and as SP received them, the reference), captured at ``shape``."""
+    """The case's graphs with SP (and as SP received them, the reference) for ``shape``: a dynamic case's
+    graphs run any shape, so one capture serves them all."""
+    return captured_at(case, None if case[-1] else shape)
+
+
+@functools.lru_cache(maxsize=64)
+def captured_at(case: tuple, static_shape: tuple[int, int] | None) -> RankGraphs:
+    """Cached by (case, static shape), and by case alone when dynamic (a capture costs seconds per rank)."""
     tp, mix, state, fp8, dynamic = case
-    shape = EXAMPLE if dynamic else shape
+    shape = static_shape or EXAMPLE
     ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(shape[0] * shape[1]))
     return capture_with_passes(
         lambda rank, tp: BatchedHCModel(model_config(fp8), mix, state),

@@ -77,11 +77,16 @@ def capture(case: Case, tokens: int, dynamic: bool) -> RankGraphs:
     )
 
 
-@functools.lru_cache(maxsize=128)
 def captured(case: Case, tokens: int) -> RankGraphs:
     """The case's graphs with SP (and, from the same compile, as SP received them), captured at ``tokens``;
-    a dynamic case's graphs run any T."""
-    return capture(case, 7 if case.dynamic else tokens, dynamic=case.dynamic)
+    a dynamic case's graphs run any T, so one capture serves every T."""
+    return captured_at(case, None if case.dynamic else tokens)
+
+
+@functools.lru_cache(maxsize=128)
+def captured_at(case: Case, tokens: int | None) -> RankGraphs:
+    """Cached by (case, static T), and by case alone when dynamic (a capture costs seconds per rank)."""
+    return capture(case, 7 if tokens is None else tokens, dynamic=tokens is None)
 
 
 def with_tokens(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor) -> list[Any]:

@@ -21,7 +21,8 @@ The same for ATOM's fp32 mean (``(sum_s sigmoid(u_s) * xn_s) / n``, one rounding
 DeepSeek-V4 mHC collapse (``sum_s w_s * h_s``, scalar fp32 gates) -> ``hcpasses.weighted_sum_quant``.
 
 Applies when: the collapse is exactly one of the patterns in ``hcpasses.patterns.gated_mean`` in
-fp32, bf16 or fp16 (both inputs of that dtype; mHC gates fp32), on ``[..., n*S]`` (or stacked
+fp32, bf16 or fp16 (both inputs of that dtype; mHC gates fp32) whose values the fused op gives (a bf16
+``sum / n`` is the mean only when n is a power of two), on ``[..., n*S]`` (or stacked
 ``[..., n, S]``) streams with static n and S, and the quant that follows is the DESIGN §5 convention
 to the constant. Bails out (leaves the collapse alone and says so in the report) when no quant
 follows, when the quant differs in any constant or dtype, or when the collapse reduces over another dim.
@@ -43,7 +44,8 @@ from hcpasses.patterns.collapse import (
     FUSED_WEIGHTED_SUM,
     Collapse,
     CollapseFinder,
-    match_check,
+    FoundCollapse,
+    fusion_check,
     stream_split,
     traced_patterns,
 )
@@ -63,7 +65,7 @@ class GatedMeanQuantFusion(GraphPass):
         fuser = PatternMatcherPass(pass_name="hcpasses_gated_mean_quant")
         for kind in ("quant", "quant_keep_x"):
             for collapse, dtype, pattern in traced_patterns(kind):
-                check = match_check(collapse, dtype)
+                check = fusion_check(collapse, dtype)
                 register_graph_pattern(pattern, extra_check=check, pass_dict=fuser)(
                     _fuse_handler(collapse, dtype, kind)
                 )
@@ -77,7 +79,7 @@ class GatedMeanQuantFusion(GraphPass):
         notes = (f"HC stream collapses found: {found}", f"fused with a per-token FP8 quant: {fused}")
         if not found:
             return PassResult(0, "no HC stream collapse (gated mean / mHC collapse) in this graph", notes)
-        left = [c.root for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
+        left = [c for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
         reason = f"not fused: {'; '.join(map(why_not_fused, left))}" if left else None
         return PassResult(applied=fused, reason=reason, notes=notes)
 
@@ -91,10 +93,14 @@ def _is_fp8_cast(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dtype in FP8_DTYPES
 
 
-def why_not_fused(root: fx.Node) -> str:
-    """The truth about a collapse that was not fused: no FP8 cast downstream of it, or the ops that stand
-    between it and the nearest one (a norm, a reshape, another quant convention: the fused op quantises
-    the collapse output itself, with the DESIGN §5 convention, so anything else is left alone)."""
+def why_not_fused(collapse: FoundCollapse) -> str:
+    """The truth about a collapse that was not fused: its form would change numerics, no FP8 cast is
+    downstream of it, or the ops that stand between it and the nearest one (a norm, a reshape, another quant
+    convention: the fused op quantises the collapse output itself, with the DESIGN §5 convention, so anything
+    else is left alone)."""
+    root = collapse.root
+    if collapse.refusal is not None:
+        return f"{root.name}: {collapse.refusal}"
     parents: dict[fx.Node, fx.Node | None] = {root: None}
     frontier = [root]
     while frontier and len(parents) < _SEARCH_LIMIT:

@@ -12,7 +12,8 @@ dtypes are the registered ones.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch._inductor.pattern_matcher import Match, PatternExpr, PatternMatcherPa
 
 import hcpasses.kernels  # noqa: F401  (registers torch.ops.hcpasses.*)
 from hcpasses.patterns.gated_mean import (
+    activation_sum_gated_mean,
     atom_gated_mean,
     mhc_collapse,
     per_token_quant,
@@ -47,6 +49,19 @@ class Collapse:
     gated_mean: bool  # True: gate is u [..., n*S] (sigmoid inside); False: gate is w [..., n] fp32
     literal_n: bool  # the pattern divides by a literal n
     stacked: bool = False  # streams are [..., n, S] (no reshape in the pattern) instead of [..., n*S]
+    dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES  # activation dtypes the form is traced for
+    rounded_sum: bool = False  # the sum is rounded to the activation dtype before the division by n
+
+    def refusal(self, n: int, dtype: torch.dtype) -> str | None:
+        """Why the fused op (fp32 terms, one rounding of the mean) would not give this form's values for
+        ``n`` streams of ``dtype``; None when it does (bit-identical, or within the one rounding of the
+        products that the activation-dtype forms make)."""
+        if self.rounded_sum and n & (n - 1):
+            return (
+                f"the sum is rounded to {dtype} before the division by n = {n} (not a power of two: a second "
+                "rounding the fused op does not make)"
+            )
+        return None
 
     def gate_example(self, dtype: torch.dtype) -> torch.Tensor:
         if self.gated_mean:
@@ -67,6 +82,16 @@ class Collapse:
 COLLAPSES = (
     Collapse("transformers", transformers_gated_mean, aten.mean.dim, gated_mean=True, literal_n=False),
     Collapse("atom", atom_gated_mean, aten.sum.dim_IntList, gated_mean=True, literal_n=True),
+    # In fp32 this form is ATOM's graph; in bf16 / fp16, rounded sum / n (exactly the mean when n is 2^k).
+    Collapse(
+        "activation_sum",
+        activation_sum_gated_mean,
+        aten.sum.dim_IntList,
+        gated_mean=True,
+        literal_n=True,
+        dtypes=(torch.bfloat16, torch.float16),
+        rounded_sum=True,
+    ),
     Collapse("mhc", mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False),
     Collapse(
         "mhc_stacked", stacked_mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False, stacked=True
@@ -145,6 +170,7 @@ class FoundCollapse:
     streams: fx.Node
     n: int
     normed: bool
+    refusal: str | None = None  # why the fusion leaves this form alone (``Collapse.refusal``)
 
 
 FUSED_GATED_MEAN = torch.ops.hcpasses.gated_mean_quant.default
@@ -156,7 +182,7 @@ class CollapseFinder:
 
     def __init__(self) -> None:
         self._finder: PatternMatcherPass | None = None
-        self._found: list[FoundCollapse] = []
+        self._found: list[tuple[FoundCollapse, frozenset[fx.Node]]] = []  # each match and its nodes
 
     def _build(self) -> PatternMatcherPass:
         finder = PatternMatcherPass(pass_name="hcpasses_find_hc_collapse")
@@ -170,8 +196,10 @@ class CollapseFinder:
             split = stream_split(match, collapse, dtype)
             assert split is not None  # extra_check passed on this very match
             root = match.output_node()
-            found = FoundCollapse(root, (root,), kwargs["gate"], kwargs["streams"], split[0], collapse.gated_mean)
-            self._found.append(found)
+            n = split[0]
+            refusal = collapse.refusal(n, dtype)
+            found = FoundCollapse(root, (root,), kwargs["gate"], kwargs["streams"], n, collapse.gated_mean, refusal)
+            self._found.append((found, frozenset(match.nodes)))
 
         return handler
 
@@ -181,9 +209,12 @@ class CollapseFinder:
             self._finder = self._build()
         self._found = []
         self._finder.apply(graph)
-        found = self._found + [
-            _fused(node) for node in graph.nodes if node.target in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)
+        # A collapse computed in fp32 inside a bf16 one (ATOM: upcast, collapse, round back) is also the fp32
+        # pattern: it is the same block, found once, as the outer match.
+        found = [
+            c for c, _ in self._found if not any(c.root in nodes and c.root is not o.root for o, nodes in self._found)
         ]
+        found += [_fused(node) for node in graph.nodes if node.target in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
         order = {node: i for i, node in enumerate(graph.nodes)}
         return sorted(found, key=lambda c: order[c.root])
 
@@ -201,19 +232,41 @@ def _unflattened(arg: Any) -> Any:
         return arg
     source, out = arg.args[0], arg.meta.get("val")
     source_val = source.meta.get("val") if isinstance(source, fx.Node) else None
-    if isinstance(source_val, torch.Tensor) and isinstance(out, torch.Tensor) and source_val.dim() > 2 == out.dim():
+    if not isinstance(source_val, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return arg
+    # The fusion's flattening merges the token dims and keeps the width; a model's own reshape of [..., n, S]
+    # into [..., n*S] (a flatten(-2) after a per-stream norm) is where the model's streams are, not before it.
+    if source_val.dim() > 2 == out.dim() and source_val.shape[-1] == out.shape[-1]:
         return source
     return arg
 
 
-def traced_patterns(kind: str) -> Iterator[tuple[Collapse, torch.dtype, PatternExpr]]:
-    """Every collapse in every activation dtype, traced as the ``kind`` search function of ``search_fns``."""
+@functools.cache
+def traced_patterns(kind: str) -> tuple[tuple[Collapse, torch.dtype, PatternExpr], ...]:
+    """Every collapse in every activation dtype, traced as the ``kind`` search function of ``search_fns``.
+
+    Memoised: a pure function of the pattern sources (tracing them takes about a second, and every compile
+    builds its passes anew); pattern-matcher passes only read the patterns they register.
+    """
+    traced = []
     for collapse in COLLAPSES:
         scalars = {"n": N_TRACE} if collapse.literal_n else None
-        for dtype in ACTIVATION_DTYPES:
+        for dtype in collapse.dtypes:
             examples = [collapse.gate_example(dtype), collapse.streams_example(dtype)]
-            yield collapse, dtype, trace_pattern(search_fns(collapse)[kind], examples, ["gate", "streams"], scalars)
+            pattern = trace_pattern(search_fns(collapse)[kind], examples, ["gate", "streams"], scalars)
+            traced.append((collapse, dtype, pattern))
+    return tuple(traced)
 
 
 def match_check(collapse: Collapse, dtype: torch.dtype) -> Callable[[Match], bool]:
     return lambda match: stream_split(match, collapse, dtype) is not None
+
+
+def fusion_check(collapse: Collapse, dtype: torch.dtype) -> Callable[[Match], bool]:
+    """``match_check``, and the fused op gives what this form gives (``Collapse.refusal``)."""
+
+    def check(match: Match) -> bool:
+        split = stream_split(match, collapse, dtype)
+        return split is not None and collapse.refusal(split[0], dtype) is None
+
+    return check

@@ -6,6 +6,8 @@ pattern (``hcpasses.patterns.tracing``). They must be written exactly as model c
 - ``transformers_gated_mean``: Qwen3.8-Flash-Next in transformers (``Qwen4ExpTextGatedResidual``):
   sigmoid and product in the activation dtype, ``mean`` over the stream dim.
 - ``atom_gated_mean``: ATOM's port: fp32 inside, sum over streams, divide by n, one rounding.
+- ``activation_sum_gated_mean``: ``sum / n`` in the activation dtype (in bf16 / fp16 the sum is rounded
+  before the division: the mean's one rounding only when n is a power of two).
 - ``mhc_collapse``: DeepSeek-V4 mHC on flat streams (our ``models.mhc``): scalar gate per stream, fp32 sum,
   one rounding.
 - ``stacked_mhc_collapse``: the same collapse as transformers' ``DeepseekV4HyperConnection`` writes it, on
@@ -32,6 +34,11 @@ def atom_gated_mean(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> t
     """The same mean in fp32 with one rounding: ``(sum_s sigmoid(u_s) * xn_s) / n``."""
     gated = torch.sigmoid(u.float()).unflatten(-1, (n, hidden)) * xn.float().unflatten(-1, (n, hidden))
     return (gated.sum(-2) / n).to(xn.dtype)
+
+
+def activation_sum_gated_mean(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """``(sum_s sigmoid(u_s) * xn_s) / n`` in the activation dtype: the sum is rounded, then divided."""
+    return (torch.sigmoid(u).unflatten(-1, (n, hidden)) * xn.unflatten(-1, (n, hidden))).sum(-2) / n
 
 
 def mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch.Tensor:

@@ -47,14 +47,62 @@ NORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = 
 }
 
 
+# The gated mean ``mean_s(sigmoid(u_s) * xn_s)`` of gate logits u and normed streams xn, both [..., n*S].
+def collapse_unflatten_mean(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """transformers: unflatten, product in the activation dtype, mean over the negative stream dim."""
+    return (torch.sigmoid(u).unflatten(-1, (n, hidden)) * xn.unflatten(-1, (n, hidden))).mean(dim=-2)
+
+
+def collapse_view_positive_dim(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """``view`` to explicit sizes and the stream dim as a positive index."""
+    lead = xn.shape[:-1]
+    return torch.mean(torch.sigmoid(u).view(*lead, n, hidden) * xn.view(*lead, n, hidden), dim=len(lead))
+
+
+def collapse_fp32_sum_div(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """ATOM-style: everything in fp32, ``sum / n``, one rounding back to the activation dtype."""
+    gated = torch.sigmoid(u.float()).reshape(*u.shape[:-1], n, hidden) * xn.float().reshape(*xn.shape[:-1], n, hidden)
+    return (gated.sum(dim=-2) / n).to(xn.dtype)
+
+
+def collapse_fp32_sum_times_reciprocal(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """fp32 sum scaled by ``1 / n`` (exactly ``/ n`` when n is a power of two)."""
+    gate, streams = (t.to(torch.float32).unflatten(-1, (n, hidden)) for t in (u, xn))
+    gated = torch.sigmoid(gate) * streams
+    return (gated.sum(-2) * (1.0 / n)).to(xn.dtype)
+
+
+def collapse_activation_sum_div(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """``sum / n`` in the activation dtype: in bf16 the sum is rounded before the division."""
+    return (u.sigmoid().unflatten(-1, (n, hidden)) * xn.unflatten(-1, (n, hidden))).sum(-2) / n
+
+
+COLLAPSES: dict[str, Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]] = {
+    "unflatten_mean": collapse_unflatten_mean,
+    "view_positive_dim": collapse_view_positive_dim,
+    "fp32_sum_div": collapse_fp32_sum_div,
+    "fp32_sum_times_reciprocal": collapse_fp32_sum_times_reciprocal,
+    "activation_sum_div": collapse_activation_sum_div,
+}
+
+
 def _frozen(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(t.to(dtype), requires_grad=False)
 
 
 class GatedResidual(nn.Module):
-    def __init__(self, n: int, hidden: int, rank: int, norm: str, g: torch.Generator, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        n: int,
+        hidden: int,
+        rank: int,
+        norm: str,
+        g: torch.Generator,
+        dtype: torch.dtype,
+        collapse: str = "unflatten_mean",
+    ) -> None:
         super().__init__()
-        self.n, self.hidden, self.norm = n, hidden, NORMS[norm]
+        self.n, self.hidden, self.norm, self.collapse = n, hidden, NORMS[norm], COLLAPSES[collapse]
         width = n * hidden
         self.norm_weight = _frozen(1 + 0.1 * torch.randn(hidden, generator=g), dtype)
         self.down = _frozen(torch.randn(rank, width, generator=g) * width**-0.5, dtype)
@@ -63,9 +111,9 @@ class GatedResidual(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         normed = self.norm(h.unflatten(-1, (self.n, self.hidden)), self.norm_weight, 1e-6).flatten(-2)
-        gate = torch.sigmoid(F.linear(F.silu(F.linear(normed, self.down) / self.n), self.up))
-        x = (gate.unflatten(-1, (self.n, self.hidden)) * normed.unflatten(-1, (self.n, self.hidden))).mean(dim=-2)
-        return x, 2 * torch.sigmoid(F.linear(normed, self.inject) / self.n)
+        gate_logits = F.linear(F.silu(F.linear(normed, self.down) / self.n), self.up)
+        inject = 2 * torch.sigmoid(F.linear(normed, self.inject) / self.n)
+        return self.collapse(gate_logits, normed, self.n, self.hidden), inject
 
     def combine(self, h: torch.Tensor, y: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
         return (h.unflatten(-1, (self.n, self.hidden)) + inject.unsqueeze(-1) * y.unsqueeze(-2)).flatten(-2)

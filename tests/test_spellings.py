@@ -1,0 +1,99 @@
+"""Both passes on HC models whose blocks are each spelled another way (``tests/corpus/spelled.py``).
+
+Hypothesis draws, per HC block, the grouped norm, the stream collapse and the sub-layer input quant (or none),
+and per model the dtype, tp (1 or 2), the layer count, where a non-row-local op sits (a causal conv over
+tokens before a layer, or none) and T (1, below tp, ragged, a multiple of tp, up to 300). Each example checks
+the exact counts of both passes in the graph and in the report, the SP graph against the same graph with SP
+off (bit-exact in bf16), and the whole model against eager.
+"""
+
+from __future__ import annotations
+
+import torch
+from corpus.gated_residual import NORMS
+from corpus.quants import QUANTS
+from corpus.spelled import COLLAPSES, BlockSpelling, SpelledHC
+from harness import simulate
+from harness.reference import assert_same_as_sp_off, capture_with_passes, collective_counts, fused_op_count
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hcpasses.config import HCPassesConfig
+
+SPELLINGS = st.builds(
+    BlockSpelling,
+    norm=st.sampled_from(list(NORMS)),
+    collapse=st.sampled_from(list(COLLAPSES)),
+    quant=st.none() | st.sampled_from(list(QUANTS)),
+)
+
+
+@st.composite
+def token_counts(draw: st.DrawFn, tp: int) -> int:
+    kind = draw(st.sampled_from(("one", "below_tp", "ragged", "multiple", "any")))
+    if kind == "one":
+        return 1
+    if kind == "below_tp":
+        return draw(st.integers(1, max(tp - 1, 1)))
+    count = draw(st.integers(2, 300))
+    if kind == "ragged" and tp > 1:
+        return count + (1 if count % tp == 0 else 0)
+    if kind == "multiple":
+        return max(tp, count - count % tp)
+    return count
+
+
+def canonical_rewrites(spelling: BlockSpelling, dtype: torch.dtype) -> int:
+    """How many rewrites canonical_forms makes in one block of this spelling."""
+    collapse = 2 * int(spelling.collapse == "fp32_sum_times_reciprocal")  # * (1/4); sigmoid after the split
+    quant = {"max_values": 1, "amax_then_upcast": int(dtype != torch.float32)}.get(spelling.quant or "", 0)
+    return collapse + quant
+
+
+@given(data=st.data())
+def test_every_block_spelling_is_sharded_and_fused(data: st.DataObject) -> None:
+    layers = data.draw(st.integers(1, 2), label="layers")
+    blocks = data.draw(st.lists(SPELLINGS, min_size=2 * layers, max_size=2 * layers), label="blocks")
+    final = data.draw(SPELLINGS.map(lambda s: BlockSpelling(s.norm, s.collapse, None)), label="final")
+    dtype = data.draw(st.sampled_from((torch.float32, torch.bfloat16)), label="dtype")
+    tp = data.draw(st.sampled_from((1, 2)), label="tp")
+    conv_layer = data.draw(st.sampled_from((None, *range(layers))), label="conv_layer")
+    tokens = data.draw(token_counts(tp), label="tokens")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(seed))
+
+    sharded = capture_with_passes(
+        lambda rank, size: SpelledHC(blocks, final, conv_layer, dtype, size, rank),
+        lambda rank, size: (ids,),
+        tp,
+        HCPassesConfig(sp_min_tokens=1),
+        codegen=False,
+    )
+    report, graph = sharded.report, sharded.graphs[0]
+    fused = sum(block.fuses for block in blocks)
+    assert report.applied["gated_mean_quant"] == fused == fused_op_count(graph), report
+    rewrites = sum(canonical_rewrites(block, dtype) for block in [*blocks, final])
+    assert report.applied["canonical_forms"] == rewrites, report.record("canonical_forms").notes
+    sp = report.record("sp_rewrite")
+    cut = conv_layer is not None and conv_layer > 0  # a conv before the first block reads unsharded values
+    if tp == 1:
+        assert sp.status != "applied" and collective_counts(graph) == dict.fromkeys(collective_counts(graph), 0)
+    else:
+        assert sp.status == "applied" and sp.applied == len(blocks) + 1, report
+        assert sp.facts.get("cuts", 0) == cut, sp.notes
+        gathers = sum(2 if block.fuses else 1 for block in blocks) + 1 + cut  # x or (q, scale); final; conv
+        want = {"all_reduce": 0, "reduce_scatter": len(blocks), "all_gather": gathers}
+        assert collective_counts(graph) == want, sp.notes
+
+    with torch.no_grad():
+        expected = SpelledHC(blocks, final, conv_layer, dtype)(ids)
+    outputs = simulate(sharded.graphs, sharded.inputs)
+    unsharded = sharded.sp_off()
+    any_quant = any(block.quant is not None for block in blocks)
+    for got, want_outputs in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want_outputs, fp32_fp8=any_quant, eager=[expected])
+    # Eager rounds where the graph may not (bf16 intermediates; the fused op's one rounding of the mean), and a
+    # changed rounding can flip an FP8 code; a wrong row, a lost reduce or a wrong form is O(1).
+    tol = 1e-4 if dtype == torch.float32 and not any_quant else 0.1
+    for rank_outputs in outputs:
+        torch.testing.assert_close(rank_outputs[0].float(), expected.float(), rtol=tol, atol=tol)
