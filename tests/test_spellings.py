@@ -9,6 +9,7 @@ off (bit-exact in bf16), and the whole model against eager.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from corpus.gated_residual import NORMS
 from corpus.quants import QUANTS
@@ -97,3 +98,50 @@ def test_every_block_spelling_is_sharded_and_fused(data: st.DataObject) -> None:
     tol = 1e-4 if dtype == torch.float32 and not any_quant else 0.1
     for rank_outputs in outputs:
         torch.testing.assert_close(rank_outputs[0].float(), expected.float(), rtol=tol, atol=tol)
+
+
+# (odd collapse, dtype, collapses found, SP cuts, collectives). The unrecognised block cuts the SP region where
+# the streams branch into it (the streams are gathered there) and runs on all rows, its all-reduce kept.
+LEFT_ALONE = [
+    ("activation_sum_div", torch.bfloat16, 5, 0, {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 2 * 2 + 3}),
+    ("fp32_sum_times_reciprocal", torch.float32, 4, 1, {"all_reduce": 1, "reduce_scatter": 3, "all_gather": 2 * 2 + 3}),
+]
+
+
+@pytest.mark.parametrize(("odd", "dtype", "found", "cuts", "collectives"), LEFT_ALONE, ids=lambda v: str(v)[:24])
+def test_forms_that_would_change_numerics_are_left_alone_at_three_streams(
+    odd: str, dtype: torch.dtype, found: int, cuts: int, collectives: dict[str, int]
+) -> None:
+    """n = 3: a bf16 ``sum / 3`` rounds twice, so the fusion leaves it and says so, and SP still shards it. An
+    fp32 ``sum * (1/3)`` is not ``/ 3`` (1/3 is inexact), so it is no HC collapse to either pass: SP must not
+    compute its sub-layer's TP partial sums on row shards (no collective can combine them), so the region
+    ends where the streams enter that block and the next recognised block starts another."""
+    plain = BlockSpelling("rsqrt", "unflatten_mean", "reference")
+    blocks = [plain, BlockSpelling("sqrt_div", odd, "reference"), plain, BlockSpelling("gemma", "unflatten_mean", None)]
+    final = BlockSpelling("rsqrt", "unflatten_mean", None)
+    ids = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(3))
+    sharded = capture_with_passes(
+        lambda rank, size: SpelledHC(blocks, final, None, dtype, size, rank, n=3),
+        lambda rank, size: (ids,),
+        2,
+        HCPassesConfig(sp_min_tokens=1),
+        codegen=False,
+    )
+    report, graph = sharded.report, sharded.graphs[0]
+    fusion = report.record("gated_mean_quant")
+    assert fusion.notes[0] == f"HC stream collapses found: {found}", fusion.notes
+    assert fusion.applied == 2 == fused_op_count(graph), report
+    if odd == "activation_sum_div":
+        assert "rounded to torch.bfloat16 before the division by n = 3" in fusion.reason, fusion.reason
+    sp = report.record("sp_rewrite")
+    assert sp.status == "applied" and sp.applied == found and sp.facts.get("cuts", 0) == cuts, sp.notes
+    if cuts:
+        assert any("feeds the TP partial sum" in note for note in sp.notes), sp.notes
+    assert collective_counts(graph) == collectives, sp.notes
+    with torch.no_grad():
+        expected = SpelledHC(blocks, final, None, dtype, n=3)(ids)
+    outputs = simulate(sharded.graphs, sharded.inputs)
+    unsharded = sharded.sp_off()
+    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want, fp32_fp8=True, eager=[expected])
+        torch.testing.assert_close(got[0].float(), expected.float(), rtol=0.1, atol=0.1)

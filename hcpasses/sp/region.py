@@ -181,7 +181,28 @@ class _RegionBuilder:
             self._check_rows(node)
         for node in sorted(region, key=node_order(self.graph).__getitem__):
             self.check(node, region | live)
+        for reduce, _ in reduces:
+            self._check_partial_sum(reduce, region)
         return region
+
+    def _check_partial_sum(self, reduce: fx.Node, region: set[fx.Node]) -> None:
+        """An all-reduce's input is a TP partial sum: each rank's share of every row. Computed in the region it
+        would hold this rank's share of this rank's rows only, which no collective can sum (nor may it be
+        gathered: ranks' shares differ). That happens when the sub-layer input comes from a block whose
+        collapse was not recognised (so not gathered there): the region must end where the streams branch
+        into that block, which then runs on all rows."""
+        partial = reduce.args[0]
+        if partial not in region:
+            return
+        feeding = ancestors([partial]) & region
+        order = node_order(self.graph)
+        branches = [n for n in feeding if any(user in region and user not in feeding for user in n.users)]
+        where = min(branches, key=order.__getitem__, default=partial)
+        raise NotRowLocal(
+            where,
+            f"feeds the TP partial sum {partial.name} of {reduce.name} through no recognised HC collapse "
+            "(an unrecognised block's sub-layer must read all rows)",
+        )
 
     def dims(self, node: fx.Node) -> int:
         """How many leading dims of ``node``'s value hold the tokens."""

@@ -49,10 +49,11 @@ class SpelledHC(UserHC):
         dtype: torch.dtype = torch.float32,
         tp: int = 1,
         rank: int = 0,
+        n: int = 4,
     ) -> None:
         if len(blocks) % 2:
             raise ValueError(f"two HC blocks per layer (attention-free: two SwiGLU sub-layers); got {len(blocks)}")
-        super().__init__("rsqrt", len(blocks) // 2, conv_layer, dtype, tp, rank)
+        super().__init__("rsqrt", len(blocks) // 2, conv_layer, dtype, tp, rank, n)
         g = torch.Generator().manual_seed(1)
         self.spellings = list(blocks)
         for index, spelling in enumerate(blocks):
