@@ -127,7 +127,11 @@ def sigmoid_before_stream_split(graph: fx.Graph, node: fx.Node) -> str | None:
     if node.target is not aten.sigmoid.default:
         return None
     split = node.args[0]
-    if not isinstance(split, fx.Node) or split.target is not aten.reshape.default or split_streams(split) is None:
+    if not isinstance(split, fx.Node) or split.target is not aten.reshape.default:
+        return None
+    # n >= 2: a [1, S] -> [1, 1, S] reshape (one token, a batch dim added) also "splits" S into 1 x S
+    streams = split_streams(split)
+    if streams is None or streams[0] < 2:
         return None
     source = split.args[0]
     with graph.inserting_before(node):
