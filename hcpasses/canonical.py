@@ -7,6 +7,7 @@ Before (spellings seen in public code)::
     a = convert(amax(abs(x), [-1], True), f32)           # x.abs().amax(-1, keepdim=True).float(), x bf16/fp16
     m = mul(sum(g, [d]), 0.25)                           # g.sum(d) * (1 / n), g's dim d of size n = 4
     s = sigmoid(reshape(u, [T, n, S]))                   # u.unflatten(-1, (n, S)).sigmoid(), u [T, n*S]
+    y = convert(x, f32)                                  # x already fp32 (left by torch 2.11's pointless_convert)
 
 After::
 
@@ -14,6 +15,7 @@ After::
     a = amax(abs(xf), [-1], True)       xf = convert(x, f32): the quant's own upcast of x when it has one
     m = div(sum(g, [d]), 4)
     s = reshape(sigmoid(u), [T, n, S])
+    y = x
 
 All are exact: ``max.dim``'s values are ``amax``'s; upcasting bf16 / fp16 to fp32 is exact and keeps order, so
 the max of the upcast values is the upcast of the max; for n a power of two, ``1 / n`` is exact and both
@@ -146,7 +148,30 @@ def sigmoid_before_stream_split(graph: fx.Graph, node: fx.Node) -> str | None:
     return f"sigmoid after the stream split -> before it: {gate.name}"
 
 
-REWRITES = (max_values_to_amax, upcast_before_amax, reciprocal_to_division, sigmoid_before_stream_split)
+def drop_noop_convert(graph: fx.Graph, node: fx.Node) -> str | None:
+    """``convert(t, dtype)`` of a t that has that dtype -> ``t``.
+
+    torch 2.11's ``pointless_convert`` (a joint-graph pass) folds ``convert(convert(x, bf16), f32)`` of an fp32
+    x into ``convert(x, f32)``, dropping the user's bf16 rounding of the collapse output; what is left between
+    the collapse and its quant is this no-op (torch 2.13 keeps the rounding and leaves no such node).
+    """
+    if node.target is not CONVERT or len(node.args) != 2 or node.kwargs:
+        return None
+    source = node.args[0]
+    if not isinstance(_val(source), torch.Tensor) or _val(source).dtype != node.args[1]:
+        return None
+    node.replace_all_uses_with(source)
+    graph.erase_node(node)
+    return f"convert to the dtype it has -> dropped: {node.name}"
+
+
+REWRITES = (
+    max_values_to_amax,
+    upcast_before_amax,
+    reciprocal_to_division,
+    sigmoid_before_stream_split,
+    drop_noop_convert,
+)
 
 
 class CanonicalForms(GraphPass):
@@ -162,7 +187,7 @@ class CanonicalForms(GraphPass):
             return PassResult(
                 0,
                 "no equivalent spelling to rewrite (max.dim values, amax before the upcast, sum * (1/2^k), "
-                "sigmoid after the stream split)",
+                "sigmoid after the stream split, no-op convert)",
             )
         return PassResult(len(notes), None, tuple(notes))
 

@@ -111,3 +111,29 @@ def test_fp8_model_compiles_with_cuda_graphs_and_matches_eager() -> None:
     assert torch.equal(outs[1], outs[2])
     assert be.reports[0].applied["gated_mean_quant"] == 2 * cfg.n_layers
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_spelled_blocks_fuse_and_count_exactly_on_cuda(dtype: torch.dtype) -> None:
+    """Every collapse spelling of the corpus, each block with another quant spelling, compiled on CUDA: the
+    fusion finds exactly one collapse per HC block (CPU and CUDA graphs must count alike), fuses the quantised
+    ones, and the model matches eager."""
+    from corpus.spelled import COLLAPSES, BlockSpelling, SpelledHC
+
+    quants = ["reference", "max_values", "amax_then_upcast", "method_chain", None]
+    blocks = [BlockSpelling("rsqrt", c, quants[i % len(quants)]) for i, c in enumerate(COLLAPSES)]
+    blocks += [BlockSpelling("F.rms_norm", "unflatten_mean", "reference")] * (len(blocks) % 2)
+    final = BlockSpelling("gemma", "view_positive_dim", None)
+    model = SpelledHC(blocks, final, None, dtype).cuda()
+    ids = torch.randint(0, 64, (37,), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    torch._dynamo.reset()
+    be = hcpasses.backend()
+    with torch.no_grad():
+        out = torch.compile(model, backend=be)(ids)
+        expected = model(ids)
+    [report] = be.reports
+    fusion = report.record("gated_mean_quant")
+    assert fusion.notes[0] == f"HC stream collapses found: {len(blocks) + 1}", report
+    assert fusion.applied == sum(block.fuses for block in blocks), report
+    tol = 0.1 if dtype == torch.bfloat16 else 3e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)

@@ -51,7 +51,7 @@ def test_qwen4_exp_breaks_only_in_the_qsa_indexer() -> None:
 # collapses have no FP8 quant after them, and the ops every "FP8 cast follows" path must show).
 NO_SPELLING_TO_REWRITE = (
     "no equivalent spelling to rewrite (max.dim values, amax before the upcast, sum * (1/2^k), "
-    "sigmoid after the stream split)"
+    "sigmoid after the stream split, no-op convert)"
 )
 EXPECTED_PASSES: dict[str, dict[str, tuple[str, int, str | None]]] = {
     "qwen4_exp": {

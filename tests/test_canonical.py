@@ -1,0 +1,117 @@
+"""The canonical-forms pass alone: each rewrite fires on its spelling, leaves the values bit-identical, and
+leaves near misses (forms that would change numerics) alone. Graphs are traced with ``make_fx`` (fake
+values in ``meta["val"]``, as in a post-grad graph)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch._inductor.pattern_matcher import fwd_only
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from hcpasses.canonical import CanonicalForms
+from hcpasses.config import HCPassesConfig
+from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
+from hcpasses.patterns.gated_mean import atom_gated_mean, per_token_quant
+
+CONVERT = torch.ops.prims.convert_element_type.default
+
+
+def post_grad_like(fn: Callable[..., object], *args: torch.Tensor) -> torch.fx.GraphModule:
+    gm = fwd_only(fn, list(args))
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default:  # Inductor hands its post-grad passes reshapes
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*args)
+    return gm
+
+
+def insert_noop_convert(gm: torch.fx.GraphModule, after: Callable[[torch.fx.Node], bool]) -> None:
+    """Put ``convert(t, t.dtype)`` after the first node ``after`` accepts, as torch 2.11's joint-graph passes
+    leave one."""
+    node = next(n for n in gm.graph.nodes if after(n))
+    with gm.graph.inserting_after(node):
+        convert = gm.graph.call_function(CONVERT, (node, node.meta["val"].dtype))
+    convert.meta["val"] = node.meta["val"]
+    node.replace_all_uses_with(convert, delete_user_cb=lambda user: user is not convert)
+    gm.recompile()
+
+
+def max_values(x: torch.Tensor) -> torch.Tensor:
+    return torch.max(x.abs(), dim=-1, keepdim=True).values
+
+
+def amax_then_upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().abs().amax(-1, keepdim=True).float() + x.bfloat16().float()
+
+
+def sum_times_quarter(x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(-1, (4, 8)).sum(-2) * 0.25
+
+
+def sum_times_third(x: torch.Tensor) -> torch.Tensor:  # 1/3 is inexact: left alone
+    return x[:, :24].unflatten(-1, (3, 8)).sum(-2) * (1.0 / 3.0)
+
+
+def sigmoid_after_split(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x.unflatten(-1, (4, 8))).mean(-2)
+
+
+def sigmoid_after_one_token_reshape(x: torch.Tensor) -> torch.Tensor:  # [T, S] -> [T, 1, S]: no stream split
+    return torch.sigmoid(x.unsqueeze(-2)).sum(-2)
+
+
+def noop_convert(x: torch.Tensor) -> torch.Tensor:  # tracing drops a same-dtype convert: the test adds it back
+    return x * 2 + 1
+
+
+# (spelling, rewrites expected)
+CASES: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = [
+    (max_values, 1),
+    (amax_then_upcast, 1),
+    (sum_times_quarter, 1),
+    (sum_times_third, 0),
+    (sigmoid_after_split, 1),
+    (sigmoid_after_one_token_reshape, 0),
+    (noop_convert, 1),
+]
+
+
+@pytest.mark.parametrize(("spelling", "rewrites"), CASES, ids=[f.__name__ for f, _ in CASES])
+def test_each_rewrite_fires_on_its_spelling_and_keeps_every_bit(spelling: Callable, rewrites: int) -> None:
+    gm = post_grad_like(spelling, torch.randn(5, 32))
+    if spelling is noop_convert:
+        insert_noop_convert(gm, lambda node: node.target is torch.ops.aten.mul.Tensor)
+    inputs = [torch.randn(5, 32, generator=torch.Generator().manual_seed(seed)) * 100 for seed in range(4)]
+    before = [gm(x) for x in inputs]
+    result = CanonicalForms().run(gm.graph, HCPassesConfig())
+    gm.recompile()
+    gm.graph.lint()
+    assert result.applied == rewrites == len(result.notes), result
+    for x, want in zip(inputs, before, strict=True):
+        got = gm(x)
+        assert torch.equal(got, want) and got.dtype == want.dtype
+
+
+def test_collapse_left_in_fp32_by_torch_211_still_fuses() -> None:
+    """torch 2.11's ``pointless_convert`` leaves ``convert(x, f32)`` of an fp32 x between an fp32 collapse and its
+    quant (it drops the model's bf16 rounding); with the no-op gone the fusion matches, as on the GPU machine."""
+
+    def collapse_then_quant(u: torch.Tensor, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_token_quant(atom_gated_mean(u, xn, 4, 8))
+
+    u, xn = torch.randn(6, 32), torch.randn(6, 32)
+    gm = post_grad_like(collapse_then_quant, u, xn)
+    want = gm(u, xn)
+    insert_noop_convert(gm, lambda node: node.target is torch.ops.aten.div.Tensor and node.args[1] == 4)
+    assert GatedMeanQuantFusion().run(gm.graph, HCPassesConfig()).applied == 0  # the no-op hides the quant
+    assert CanonicalForms().run(gm.graph, HCPassesConfig()).applied == 1
+    assert GatedMeanQuantFusion().run(gm.graph, HCPassesConfig()).applied == 1
+    gm.recompile()
+    got = gm(u, xn)
+    assert any(node.target is torch.ops.hcpasses.gated_mean_quant.default for node in gm.graph.nodes)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
