@@ -130,4 +130,17 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         tests=("tests/test_kernels.py::test_op_matches_contract_formula_and_models_quant",),
     ),
+    Mutant(
+        name="sp_partial_sums_on_row_shards",
+        fault="SP lets an unrecognised block's sub-layer compute its TP partial sums on row shards",
+        file="hcpasses/sp/region.py",
+        old="""        for reduce, _ in reduces:
+            self._check_partial_sum(reduce, region)
+""",
+        new="""        for reduce, _ in reduces:
+            del reduce  # the partial-sum check dropped
+""",
+        tests=("tests/test_spellings.py::test_forms_that_would_change_numerics_are_left_alone_at_three_streams",),
+        k="fp32_sum",
+    ),
 )
