@@ -212,7 +212,9 @@ class CollapseFinder:
         # A collapse computed in fp32 inside a bf16 one (ATOM: upcast, collapse, round back) is also the fp32
         # pattern: it is the same block, found once, as the outer match.
         found = [
-            c for c, _ in self._found if not any(c.root in nodes and c.root is not o.root for o, nodes in self._found)
+            c
+            for c, _ in self._found
+            if not any(c.root in nodes and c.root is not outer.root for outer, nodes in self._found)
         ]
         found += [_fused(node) for node in graph.nodes if node.target in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
         order = {node: i for i, node in enumerate(graph.nodes)}

@@ -197,7 +197,8 @@ class _RegionBuilder:
         feeding = ancestors([partial]) & region
         order = node_order(self.graph)
         branches = [n for n in feeding if any(user in region and user not in feeding for user in n.users)]
-        where = min(branches, key=order.__getitem__, default=partial)
+        # No branch point: end the region at its first node on the way (it reads only replicated values).
+        where = min(branches or feeding, key=order.__getitem__)
         raise NotRowLocal(
             where,
             f"feeds the TP partial sum {partial.name} of {reduce.name} through no recognised HC collapse "
