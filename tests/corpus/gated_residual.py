@@ -168,5 +168,9 @@ class UserHC(nn.Module):
                 conv = F.conv1d(F.pad(h.t().unsqueeze(0), (2, 0)), self.conv, groups=h.shape[-1])
                 h = h + conv[0].t()
             x, inject = block(h)
-            h = block.combine(h, sublayer(x), inject)
+            h = block.combine(h, sublayer(self.sublayer_input(index, x)), inject)
         return F.linear(self.final(h)[0], self.head)
+
+    def sublayer_input(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """What sub-layer ``index`` reads of its HC block's x (subclasses quantise it)."""
+        return x

@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .gated_residual import COLLAPSES, GatedResidual, UserHC
 from .quants import QUANTS
@@ -63,19 +62,13 @@ class SpelledHC(UserHC):
     def _block(self, spelling: BlockSpelling, g: torch.Generator, dtype: torch.dtype) -> GatedResidual:
         return GatedResidual(self.n, self.embed.shape[1], 8, spelling.norm, g, dtype, spelling.collapse)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed[ids].repeat(1, self.n)
-        for index, (block, sublayer) in enumerate(zip(self.blocks, self.sublayers, strict=True)):
-            if index == 2 * (self.conv_layer if self.conv_layer is not None else -1):
-                conv = F.conv1d(F.pad(h.t().unsqueeze(0), (2, 0)), self.conv, groups=h.shape[-1])
-                h = h + conv[0].t()
-            x, inject = block(h)
-            quant = self.spellings[index].quant
-            if quant is not None:
-                q, scale = QUANTS[quant](x)
-                x = (q.float() * scale).to(x.dtype)
-            h = block.combine(h, sublayer(x), inject)
-        return F.linear(self.final(h)[0], self.head)
+    def sublayer_input(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """x through this block's quant spelling and back (a PTPC-FP8 linear's input), or x itself."""
+        quant = self.spellings[index].quant
+        if quant is None:
+            return x
+        q, scale = QUANTS[quant](x)
+        return (q.float() * scale).to(x.dtype)
 
 
 __all__ = ["COLLAPSES", "FUSES", "BlockSpelling", "SpelledHC"]
