@@ -95,7 +95,7 @@ def test_every_block_spelling_is_sharded_and_fused(data: st.DataObject) -> None:
         assert_same_as_sp_off(got, want_outputs, fp32_fp8=any_quant, eager=[expected])
     # Eager rounds where the graph may not (bf16 intermediates; the fused op's one rounding of the mean), and a
     # changed rounding can flip an FP8 code; a wrong row, a lost reduce or a wrong form is O(1).
-    tol = 1e-4 if dtype == torch.float32 and not any_quant else 0.1
+    tol = {(torch.float32, False): 1e-4, (torch.float32, True): 3e-2}.get((dtype, any_quant), 0.1)
     for rank_outputs in outputs:
         torch.testing.assert_close(rank_outputs[0].float(), expected.float(), rtol=tol, atol=tol)
 
@@ -144,4 +144,5 @@ def test_forms_that_would_change_numerics_are_left_alone_at_three_streams(
     unsharded = sharded.sp_off()
     for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
         assert_same_as_sp_off(got, want, fp32_fp8=True, eager=[expected])
-        torch.testing.assert_close(got[0].float(), expected.float(), rtol=0.1, atol=0.1)
+        tol = 3e-2 if dtype == torch.float32 else 0.1  # one e4m3 step on a flipped code; bf16 adds its rounding
+        torch.testing.assert_close(got[0].float(), expected.float(), rtol=tol, atol=tol)
