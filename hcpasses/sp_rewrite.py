@@ -81,6 +81,9 @@ class SPRewrite(GraphPass):
             return PassResult(0, "no HC block (stream collapse) in this graph")
         reduces, why_not = all_reduces(graph)
         notes = [f"HC blocks (collapses) found: {len(collapses)}", f"all-reduces: {len(reduces)}"]
+        lookalikes = self._finder.lookalike_note()
+        if lookalikes:
+            notes.append(lookalikes)
         if why_not:
             return PassResult(0, why_not, tuple(notes))
         plan = find_regions(graph, collapses, reduces)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from corpus.delta_rule import DeltaRuleHC
 from corpus.gated_residual import NORMS, UserHC
 from harness import simulate
 from harness.reference import assert_same_as_sp_off, capture_with_passes, collective_counts
@@ -47,3 +48,38 @@ def test_every_norm_spelling_shards_every_block(
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for rank_outputs in outputs:
         torch.testing.assert_close(rank_outputs[0].float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_delta_rule_solve_steps_are_not_hc_blocks(dtype: torch.dtype) -> None:
+    """A chunked delta-rule mixer's forward substitution is a gated sum over ``[..., n, S]`` (the stacked mHC
+    algebra) in fp32: both passes leave every step out and say so, and count exactly the HC blocks. The mixer
+    reads all rows (it mixes tokens), so SP gathers its input like any sub-layer's and shards every block."""
+    ids = torch.randint(0, 64, (11,), generator=torch.Generator().manual_seed(4))
+    sharded = capture_with_passes(
+        lambda rank, tp: DeltaRuleHC(LAYERS, dtype, tp, rank),
+        lambda rank, tp: (ids,),
+        2,
+        HCPassesConfig(sp_min_tokens=1),
+        codegen=False,
+    )
+    report = sharded.report
+    lookalikes = DeltaRuleHC(LAYERS, dtype).lookalikes()
+    fusion = report.record("gated_mean_quant")
+    assert fusion.notes[0] == f"HC stream collapses found: {2 * LAYERS + 1}", fusion.notes
+    left_out = f"collapse-shaped sums that are no HC stream collapse, left out: {lookalikes} ("
+    assert fusion.notes[2].startswith(left_out), fusion.notes
+    assert "is not wider than its" in fusion.notes[2], fusion.notes  # n = S = i and n = chunk > S = i
+    sp = report.record("sp_rewrite")
+    assert sp.status == "applied" and sp.applied == 2 * LAYERS + 1 and not sp.facts.get("cuts"), sp.notes
+    assert any(note.startswith(left_out) for note in sp.notes), sp.notes
+    want = {"all_reduce": 0, "reduce_scatter": 2 * LAYERS, "all_gather": 2 * LAYERS + 1}
+    assert collective_counts(sharded.graphs[0]) == want, sp.notes
+    with torch.no_grad():
+        expected = DeltaRuleHC(LAYERS, dtype)(ids)
+    unsharded = sharded.sp_off()
+    outputs = simulate(sharded.graphs, sharded.inputs)
+    for got, want_outputs in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want_outputs, eager=[expected])
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(got[0].float(), expected.float(), rtol=tol, atol=tol)

@@ -76,7 +76,9 @@ class GatedMeanQuantFusion(GraphPass):
             self._fuser = self._build_fuser()
         found = sum(1 for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM))
         fused = self._fuser.apply(graph)
-        notes = (f"HC stream collapses found: {found}", f"fused with a per-token FP8 quant: {fused}")
+        notes: tuple[str, ...] = (f"HC stream collapses found: {found}", f"fused with a per-token FP8 quant: {fused}")
+        if lookalikes := self._finder.lookalike_note():
+            notes += (lookalikes,)
         if not found:
             return PassResult(0, "no HC stream collapse (gated mean / mHC collapse) in this graph", notes)
         left = [c for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]

@@ -7,6 +7,11 @@ dtype) or already fused (``torch.ops.hcpasses.gated_mean_quant`` / ``weighted_su
 is checked beyond the pattern (``stream_split``): the reshapes split ``[..., n*S]`` into ``[..., n, S]``
 with static n and S, the gate has the streams' leading dims, the reductions run over the stream dim,
 dtypes are the registered ones.
+
+A match must also have the shape of HC streams (``lookalike_reason``): the same algebra, a gated sum over a
+dim of a ``[..., n, S]`` value, is common elsewhere (the forward-substitution loop of a chunked delta-rule
+solve, ``(row.unsqueeze(-1) * sub).sum(-2)`` on ``[batch, heads, chunks, i, i]``, is the stacked mHC form
+with n = S = i), and counting it as an HC block would make both passes' reports, and SP's region, wrong.
 """
 
 from __future__ import annotations
@@ -125,6 +130,24 @@ def stream_split(match: Match, collapse: Collapse, dtype: torch.dtype) -> tuple[
     return n, hidden
 
 
+# HC streams are token rows ([T, ...] or [batch, seq, ...]: DESIGN §2) of n residual copies, each as wide as
+# the hidden size, so much wider than the handful of streams.
+MAX_TOKEN_DIMS = 2
+
+
+def lookalike_reason(match: Match, collapse: Collapse, dtype: torch.dtype) -> str | None:
+    """Why a match of the collapse algebra is not an HC stream collapse (None when it is one)."""
+    split = stream_split(match, collapse, dtype)
+    assert split is not None
+    n, hidden = split
+    lead = match.kwargs["gate"].meta["val"].dim() - 1
+    if lead > MAX_TOKEN_DIMS:
+        return f"{lead} leading dims (HC streams lead with [T] or [batch, seq])"
+    if hidden <= n:
+        return f"width {hidden} is not wider than its {n} streams"
+    return None
+
+
 def _reshape_split(match: Match) -> tuple[int, int] | None:
     splits = {split_streams(node) for node in matched(match, aten.reshape.default)}
     return next(iter(splits)) if len(splits) == 1 and None not in splits else None
@@ -183,6 +206,7 @@ class CollapseFinder:
     def __init__(self) -> None:
         self._finder: PatternMatcherPass | None = None
         self._found: list[tuple[FoundCollapse, frozenset[fx.Node]]] = []  # each match and its nodes
+        self.lookalikes: list[tuple[fx.Node, str]] = []  # (root, why) of each match that is no HC collapse
 
     def _build(self) -> PatternMatcherPass:
         finder = PatternMatcherPass(pass_name="hcpasses_find_hc_collapse")
@@ -197,6 +221,10 @@ class CollapseFinder:
             assert split is not None  # extra_check passed on this very match
             root = match.output_node()
             n = split[0]
+            lookalike = lookalike_reason(match, collapse, dtype)
+            if lookalike is not None:
+                self.lookalikes.append((root, lookalike))
+                return
             refusal = collapse.refusal(n, dtype)
             found = FoundCollapse(root, (root,), kwargs["gate"], kwargs["streams"], n, collapse.gated_mean, refusal)
             self._found.append((found, frozenset(match.nodes)))
@@ -207,7 +235,7 @@ class CollapseFinder:
         """Unfused and fused collapses in graph order."""
         if self._finder is None:
             self._finder = self._build()
-        self._found = []
+        self._found, self.lookalikes = [], []
         self._finder.apply(graph)
         # A collapse computed in fp32 inside a bf16 one (ATOM: upcast, collapse, round back) is also the fp32
         # pattern: it is the same block, found once, as the outer match.
@@ -218,7 +246,16 @@ class CollapseFinder:
         ]
         found += [_fused(node) for node in graph.nodes if node.target in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
         order = {node: i for i, node in enumerate(graph.nodes)}
+        self.lookalikes.sort(key=lambda pair: order[pair[0]])
         return sorted(found, key=lambda c: order[c.root])
+
+    def lookalike_note(self) -> str | None:
+        """One line on the collapse-shaped sums the last ``find`` left out (count, the first few and why)."""
+        if not self.lookalikes:
+            return None
+        shown = "; ".join(f"{node.name}: {why}" for node, why in self.lookalikes[:3])
+        shown += "; ..." if len(self.lookalikes) > 3 else ""
+        return f"collapse-shaped sums that are no HC stream collapse, left out: {len(self.lookalikes)} ({shown})"
 
 
 def _fused(node: fx.Node) -> FoundCollapse:
@@ -265,10 +302,13 @@ def match_check(collapse: Collapse, dtype: torch.dtype) -> Callable[[Match], boo
 
 
 def fusion_check(collapse: Collapse, dtype: torch.dtype) -> Callable[[Match], bool]:
-    """``match_check``, and the fused op gives what this form gives (``Collapse.refusal``)."""
+    """``match_check``, an HC collapse (not a lookalike), and the fused op gives what this form gives
+    (``Collapse.refusal``)."""
 
     def check(match: Match) -> bool:
         split = stream_split(match, collapse, dtype)
-        return split is not None and collapse.refusal(split[0], dtype) is None
+        if split is None or lookalike_reason(match, collapse, dtype) is not None:
+            return False
+        return collapse.refusal(split[0], dtype) is None
 
     return check

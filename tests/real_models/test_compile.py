@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
 from harness.capture import RecordingPass
+from harness.reference import capture_with_passes
 from hf_cases import FAMILIES, ONE_LAYER, logits, token_ids
+from transformers.models.qwen4_exp import modeling_qwen4_exp
 
 import hcpasses
+from hcpasses.config import HCPassesConfig
 from hcpasses.hf import swap_fp8_linears
 
 
@@ -127,3 +132,26 @@ def test_hcpasses_backend_matches_eager(family: str, batch: int) -> None:
     for node in fused:
         used = {user.args[1] for user in node.users if user.target is operator.getitem and user.users}
         assert {1, 2} <= used, f"{node.format_node()}: q or scale unused"
+
+
+def test_qwen4_exp_delta_rule_loop_is_not_counted_as_hc_blocks() -> None:
+    """On its export path (``is_torchdynamo_exporting()``; torch 2.11 also takes it under ``torch.compile``,
+    where the H200 run counted 196 "HC collapses" for a 3-layer model) GatedDeltaNet builds its UT transform by
+    forward substitution, ``(row.unsqueeze(-1) * sub).sum(-2)`` over ``[batch, heads, chunks, i, i]``: 63
+    gated sums per layer in the stacked mHC form. The fusion counts the 3 HC collapses and names the rest."""
+
+    def build(rank: int, tp: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        model = FAMILIES["qwen4_exp"](**ONE_LAYER["qwen4_exp"])
+        swap_fp8_linears(model)
+        return lambda ids: model(ids).logits
+
+    with mock.patch.object(modeling_qwen4_exp, "is_torchdynamo_exporting", lambda: True):
+        captured = capture_with_passes(build, lambda rank, tp: (token_ids(1),), 1, HCPassesConfig(), codegen=False)
+    graph = captured.graphs[0].graph
+    assert sum(1 for node in graph.nodes if "torch_chunk_gated_delta_rule" in (node.meta.get("stack_trace") or "")) > 0
+    fusion = captured.report.record("gated_mean_quant")
+    chunk = 64  # transformers' chunk size: i = 1 .. 63
+    assert fusion.notes[:2] == EXPECTED_FUSION_NOTES["qwen4_exp"], fusion.notes
+    assert fusion.notes[2].startswith(f"collapse-shaped sums that are no HC stream collapse, left out: {chunk - 1} ")
+    assert "3 leading dims" in fusion.notes[2], fusion.notes
+    assert fusion.applied == 1 == sum(1 for node in graph.nodes if node.target is FUSED_OPS["qwen4_exp"])
