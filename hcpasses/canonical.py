@@ -8,6 +8,9 @@ Before (spellings seen in public code)::
     m = mul(sum(g, [d]), 0.25)                           # g.sum(d) * (1 / n), g's dim d of size n = 4
     s = sigmoid(reshape(u, [T, n, S]))                   # u.unflatten(-1, (n, S)).sigmoid(), u [T, n*S]
     y = convert(x, f32)                                  # x already fp32 (left by torch 2.11's pointless_convert)
+    g = mul(unsqueeze(w, 2), h)                          # w[..., None] * h, w [b, s, n], feeding a sum
+    g = mul(w, reshape(convert(h, f32), [.., n, S]))     # h bf16 / fp16 upcast before a promoting mul into a sum
+    x = reshape(bmm(reshape(w, [B, 1, n]), reshape(h, [B, n, S])), [b, s, S])   # matmul / einsum collapse
 
 After::
 
@@ -16,13 +19,20 @@ After::
     m = div(sum(g, [d]), 4)
     s = reshape(sigmoid(u), [T, n, S])
     y = x
+    g = mul(unsqueeze(w, -1), h)
+    g = mul(w, reshape(h, [.., n, S]))
+    x = convert(sum(mul(unsqueeze(convert(reshape(w, [b, s, n]), f32), -1), reshape(h, [b, s, n, S])), [-2]))
 
-All are exact: ``max.dim``'s values are ``amax``'s; upcasting bf16 / fp16 to fp32 is exact and keeps order, so
-the max of the upcast values is the upcast of the max; for n a power of two, ``1 / n`` is exact and both
-products are the same real number, rounded once; an elementwise op commutes with a reshape. Forms that would
+All but the last are exact: ``max.dim``'s values are ``amax``'s; upcasting bf16 / fp16 to fp32 is exact and
+keeps order, so the max of the upcast values is the upcast of the max; for n a power of two, ``1 / n`` is exact
+and both products are the same real number, rounded once; an elementwise op commutes with a reshape. Forms that would
 change numerics are left alone (their quant then does not fuse and the fusion's report names the path to it):
 a multiply by the reciprocal scale instead of a division, an amax clamped before the division, another FP8
-max, ``* (1 / n)`` for an n that is not a power of two.
+max, ``* (1 / n)`` for an n that is not a power of two. The unsqueeze and the mul index the same dims; a mul
+promotes a bf16 operand to fp32 exactly as the convert does. The per-token ``bmm`` of a gate row and n stream
+rows becomes the gated sum of the same products in fp32, rounded once, as the GEMM computes it; only the order
+of its n terms may differ (within the fp32 rounding of an n-term sum). It applies to n <= ``MAX_STREAMS`` only,
+with no permute on the streams' side (attention's ``q @ k^T`` at one query is no collapse).
 
 Applies to every graph (each rewrite is local); reports each rewrite with its node. Hand-written on plain FX
 rather than with Inductor's pattern matcher: each is a one-node rewrite with a dtype precondition.
@@ -165,12 +175,154 @@ def drop_noop_convert(graph: fx.Graph, node: fx.Node) -> str | None:
     return f"convert to the dtype it has -> dropped: {node.name}"
 
 
+def _feeds_only_sums(node: fx.Node) -> bool:
+    """Whether ``node`` is a product whose every user is a ``sum`` (the gated sum of a collapse)."""
+    return bool(node.users) and all(user.target is aten.sum.dim_IntList for user in node.users)
+
+
+def gate_unsqueeze_last_dim(graph: fx.Graph, node: fx.Node) -> str | None:
+    """``unsqueeze(w, w.dim())`` (``w[..., None]``) feeding a gated sum -> ``unsqueeze(w, -1)``."""
+    if node.target is not aten.unsqueeze.default or len(node.args) != 2:
+        return None
+    source, dim = node.args
+    if not isinstance(_val(source), torch.Tensor) or dim != _val(source).dim():
+        return None
+    if not all(user.target is aten.mul.Tensor and _feeds_only_sums(user) for user in node.users):
+        return None
+    node.args = (source, -1)
+    return f"unsqueeze at dim {dim} (the last) -> dim -1: {node.name}"
+
+
+def upcast_into_promoting_mul(graph: fx.Graph, node: fx.Node) -> str | None:
+    """``mul(w, [reshape](convert(h, f32)))`` with w fp32 and h bf16 / fp16, feeding a sum ->
+    ``mul(w, [reshape](h))``: the mul promotes h to fp32 itself, exactly as the convert does."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or not _feeds_only_sums(node):
+        return None
+    for position, operand in enumerate(node.args):
+        other = node.args[1 - position]
+        if not isinstance(_val(other), torch.Tensor) or _val(other).dtype != torch.float32:
+            continue
+        view = operand if isinstance(operand, fx.Node) and operand.target is aten.reshape.default else None
+        convert = view.args[0] if view is not None else operand
+        if not isinstance(convert, fx.Node) or convert.target is not CONVERT or convert.args[1] != torch.float32:
+            continue
+        low = convert.args[0]
+        if not isinstance(_val(low), torch.Tensor) or _val(low).dtype not in LOW_PRECISION:
+            continue
+        with graph.inserting_before(node):
+            if view is not None:
+                low_view = graph.call_function(aten.reshape.default, (low, view.args[1]))
+                low_view.meta["val"] = _val(low).reshape(_val(view).shape)
+                low = low_view
+        node.args = tuple(low if i == position else arg for i, arg in enumerate(node.args))
+        for dead in (view, convert):
+            if dead is not None and not dead.users:
+                graph.erase_node(dead)
+        return f"upcast of {_val(low).dtype} into a promoting mul -> dropped: {node.name}"
+    return None
+
+
+# An HC has a handful of streams (4 in DeepSeek-V4 and Qwen3.8-Flash-Next; 2 to 8 in the papers). A per-token
+# vector-matrix product over more rows is another GEMM: an expert projection at one token per expert, say.
+MAX_STREAMS = 8
+
+
+def token_bmm_to_gated_sum(graph: fx.Graph, node: fx.Node) -> str | None:
+    """``bmm(a [B, 1, n], x [B, n, S])`` (``torch.matmul(w.view(B, 1, n), h.view(B, n, S))``, an einsum
+    ``"...n,...nd->...d"``) -> ``convert(sum(unsqueeze(float(a), -1) * x, [-2]))``, in the token layout the bmm's
+    result is viewed back to (``[batch, seq, S]``: the gates and streams are viewed to it instead, so the quant
+    that follows reads the collapse itself).
+
+    The same products (exact in fp32 for bf16 / fp16 operands) summed in fp32 and rounded once, as the GEMM
+    does; only the order of the n terms may differ (the one non-exact canonical rewrite: within the fp32
+    rounding of an n-term sum)."""
+    if node.target is not aten.bmm.default:
+        return None
+    a, x = node.args
+    a_val, x_val = _val(a), _val(x)
+    if not isinstance(a_val, torch.Tensor) or not isinstance(x_val, torch.Tensor):
+        return None
+    n, hidden = x_val.shape[-2], x_val.shape[-1]
+    if a_val.shape[1] != 1 or not isinstance(n, int) or not isinstance(hidden, int):
+        return None
+    if not 2 <= n <= MAX_STREAMS or n >= hidden:
+        return None
+    if not _stream_view(x):
+        return None
+    dtype = x_val.dtype
+    end = _token_view_end(node, hidden)
+    lead = list(end.args[1][:-1]) if end is not None else None
+    with graph.inserting_before(end or node):  # end's sizes may be computed after the bmm
+        gate = _call(graph, aten.squeeze.dim, (a, 1), a_val.squeeze(1))
+        if lead is not None:
+            tokens = _val(end).shape[:-1]
+            gate = _call(graph, aten.reshape.default, (gate, [*lead, n]), _val(gate).reshape(*tokens, n))
+            x = _call(graph, aten.reshape.default, (x, [*lead, n, hidden]), x_val.reshape(*tokens, n, hidden))
+        if dtype != torch.float32:
+            gate = _call(graph, CONVERT, (gate, torch.float32), _val(gate).float())
+        column = _call(graph, aten.unsqueeze.default, (gate, -1), _val(gate).unsqueeze(-1))
+        product = _call(graph, aten.mul.Tensor, (column, x), _val(column) * _val(x))
+        total = _call(graph, aten.sum.dim_IntList, (product, [-2]), _val(product).sum(-2))
+        if dtype != torch.float32:
+            total = _call(graph, CONVERT, (total, dtype), _val(total).to(dtype))
+        if end is None:
+            total = _call(graph, aten.unsqueeze.default, (total, 1), _val(node))
+    replaced = end or node
+    replaced.replace_all_uses_with(total)
+    while replaced is not node:  # the view chain from the bmm to its end, last first
+        source = replaced.args[0]
+        graph.erase_node(replaced)
+        replaced = source
+    graph.erase_node(node)
+    return f"per-token bmm [B, 1, {n}] @ [B, {n}, {hidden}] -> gated sum over the {n} streams: {total.name}"
+
+
+def _stream_view(x: fx.Node) -> bool:
+    """Whether the bmm's right operand can be HC streams: reshapes, copies, casts or expands of a value, with no
+    permute on the way (an attention score's ``k^T`` has one)."""
+    node = x
+    while node.target in (aten.reshape.default, aten.view.default, aten.expand.default, aten.clone.default, CONVERT):
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return False
+    return node.target not in (aten.permute.default, aten.transpose.int, aten.t.default)
+
+
+def _token_view_end(bmm: fx.Node, hidden: int) -> fx.Node | None:
+    """The last reshape of the chain of single-user views the bmm's ``[B, 1, S]`` result goes through to a
+    ``[..., S]`` token layout (reshapes, and permutes that only move the unit dim), or None."""
+    node, end = bmm, None
+    while len(node.users) == 1:
+        [user] = node.users
+        if user.target is aten.permute.default:
+            shape = _val(node).shape
+            kept = [d for d in user.args[1] if shape[d] != 1]
+            if kept != sorted(kept):
+                break
+        elif user.target not in (aten.reshape.default, aten.view.default):
+            break
+        node = user
+        out = _val(node)
+        if node.target is not aten.permute.default and out.dim() >= 2 and out.shape[-1] == hidden:
+            end = node
+    return end
+
+
+def _call(graph: fx.Graph, target: object, args: tuple, val: object) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = val
+    return node
+
+
 REWRITES = (
     max_values_to_amax,
     upcast_before_amax,
     reciprocal_to_division,
     sigmoid_before_stream_split,
     drop_noop_convert,
+    gate_unsqueeze_last_dim,
+    upcast_into_promoting_mul,
+    token_bmm_to_gated_sum,
 )
 
 
@@ -187,7 +339,8 @@ class CanonicalForms(GraphPass):
             return PassResult(
                 0,
                 "no equivalent spelling to rewrite (max.dim values, amax before the upcast, sum * (1/2^k), "
-                "sigmoid after the stream split, no-op convert)",
+                "sigmoid after the stream split, no-op convert, positive unsqueeze dim or upcast into a gated sum, "
+                "per-token bmm collapse)",
             )
         return PassResult(len(notes), None, tuple(notes))
 

@@ -138,8 +138,10 @@ def _fuse_handler(collapse: Collapse, dtype: torch.dtype, kind: str) -> Callable
         n, hidden = split
 
         def replacement(gate: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            tokens = gate.shape[:-1]  # [T] or [batch, seq]: the fused op wants them flat
-            flat = (streams.reshape(-1, n * hidden), gate.reshape(-1, gate.shape[-1])) if len(tokens) > 1 else None
+            tokens = gate.shape[:-1]  # [T] or [batch, seq]: the fused op wants them flat, streams [tokens, n*S]
+            flat = None
+            if len(tokens) > 1 or streams.dim() > 2:  # several token dims, or stacked streams [..., n, S]
+                flat = (streams.reshape(-1, n * hidden), gate.reshape(-1, gate.shape[-1]))
             x, q, scale = collapse.fused_op(*(flat or (streams, gate)), n)
             if flat:
                 x, q, scale = (t.reshape(*tokens, t.shape[-1]) for t in (x, q, scale))

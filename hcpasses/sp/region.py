@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hcpasses.patterns.collapse import FoundCollapse
+from hcpasses.patterns.tracing import same_sizes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -95,14 +96,15 @@ def descendants(graph: fx.Graph, roots: Iterable[fx.Node]) -> set[fx.Node]:
 
 
 def stream_value(collapse: FoundCollapse) -> fx.Node:
-    """The residual stream value a collapse reads: the grouped norm's input, or the collapsed streams.
+    """The residual stream value a collapse reads: the grouped norm's input, or the collapsed streams (behind
+    the views and casts the collapse reads them through).
 
     For a gated mean the streams argument is the norm's output xn; walking back from it, every node
     used only inside the norm belongs to the norm, and the first node with a use outside it (the
     combine, the next layer) is the stream value.
     """
     if not collapse.normed:
-        return collapse.streams
+        return _through_views(collapse.streams, collapse_tokens(collapse))
     inside = {collapse.streams}
     frontier: list[fx.Node] = []
     stack = list(collapse.streams.all_input_nodes)
@@ -119,6 +121,30 @@ def stream_value(collapse: FoundCollapse) -> fx.Node:
         names = [n.name for n in frontier]
         raise NotRowLocal(collapse.streams, f"the grouped norm does not read one stream value (found {names})")
     return frontier[0]
+
+
+def _through_views(streams: fx.Node, tokens: Any) -> fx.Node:
+    """The value behind the reshapes, copies and casts a collapse reads its ``tokens`` rows of streams through
+    (DeepSeek's reference flattens the stacked streams, upcasts and views them back; a matmul or the fused op
+    flattens ``[batch, seq, ...]`` tokens): the model's stream value, which the block's write-back reads too."""
+    node = streams
+    while node.target in VALUE_VIEWS or _is_noop_expand(node):
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or token_dims(value_of(source), tokens) is None:
+            break
+        node = source
+    return node
+
+
+VALUE_VIEWS = {aten.reshape.default, aten.view.default, aten.clone.default, prims.convert_element_type.default}
+
+
+def _is_noop_expand(node: fx.Node) -> bool:
+    """``expand`` to the shape its input has (``torch.matmul`` puts one on each bmm operand)."""
+    if node.target is not aten.expand.default:
+        return False
+    source, out = value_of(node.args[0]), value_of(node)
+    return isinstance(source, torch.Tensor) and source.dim() == out.dim() and same_sizes(source.shape, out.shape)
 
 
 def _has_rows_like(node: fx.Node, reference: fx.Node) -> bool:
