@@ -194,13 +194,17 @@ def gate_unsqueeze_last_dim(graph: fx.Graph, node: fx.Node) -> str | None:
 
 
 def upcast_into_promoting_mul(graph: fx.Graph, node: fx.Node) -> str | None:
-    """``mul(w, [reshape](convert(h, f32)))`` with w fp32 and h bf16 / fp16, feeding a sum ->
-    ``mul(w, [reshape](h))``: the mul promotes h to fp32 itself, exactly as the convert does."""
+    """``mul(unsqueeze(w, -1), [reshape](convert(h, f32)))`` with w fp32 and h bf16 / fp16, feeding a sum (the
+    mHC gated sum) -> ``mul(unsqueeze(w, -1), [reshape](h))``: the mul promotes h to fp32 itself, exactly as the
+    convert does. A full-width fp32 factor (ATOM's ``sigmoid(u.float()) * xn.float()``) keeps its converts: that
+    pattern is written with them."""
     if node.target is not aten.mul.Tensor or len(node.args) != 2 or not _feeds_only_sums(node):
         return None
     for position, operand in enumerate(node.args):
         other = node.args[1 - position]
         if not isinstance(_val(other), torch.Tensor) or _val(other).dtype != torch.float32:
+            continue
+        if other.target is not aten.unsqueeze.default or other.args[1] != -1:
             continue
         view = operand if isinstance(operand, fx.Node) and operand.target is aten.reshape.default else None
         convert = view.args[0] if view is not None else operand
@@ -239,6 +243,7 @@ def token_bmm_to_gated_sum(graph: fx.Graph, node: fx.Node) -> str | None:
     if node.target is not aten.bmm.default:
         return None
     a, x = node.args
+    x_operand = x
     a_val, x_val = _val(a), _val(x)
     if not isinstance(a_val, torch.Tensor) or not isinstance(x_val, torch.Tensor):
         return None
@@ -253,11 +258,13 @@ def token_bmm_to_gated_sum(graph: fx.Graph, node: fx.Node) -> str | None:
     end = _token_view_end(node, hidden)
     lead = list(end.args[1][:-1]) if end is not None else None
     with graph.inserting_before(end or node):  # end's sizes may be computed after the bmm
-        gate = _call(graph, aten.squeeze.dim, (a, 1), a_val.squeeze(1))
-        if lead is not None:
+        if lead is None:
+            gate = _call(graph, aten.squeeze.dim, (a, 1), a_val.squeeze(1))
+        else:  # view the values behind the bmm's operand relayouts to the result's token layout
             tokens = _val(end).shape[:-1]
+            gate, x = _before_relayouts(a), _before_relayouts(x)
             gate = _call(graph, aten.reshape.default, (gate, [*lead, n]), _val(gate).reshape(*tokens, n))
-            x = _call(graph, aten.reshape.default, (x, [*lead, n, hidden]), x_val.reshape(*tokens, n, hidden))
+            x = _call(graph, aten.reshape.default, (x, [*lead, n, hidden]), _val(x).reshape(*tokens, n, hidden))
         if dtype != torch.float32:
             gate = _call(graph, CONVERT, (gate, torch.float32), _val(gate).float())
         column = _call(graph, aten.unsqueeze.default, (gate, -1), _val(gate).unsqueeze(-1))
@@ -274,18 +281,68 @@ def token_bmm_to_gated_sum(graph: fx.Graph, node: fx.Node) -> str | None:
         graph.erase_node(replaced)
         replaced = source
     graph.erase_node(node)
+    for operand in (a, x_operand):  # relayouts of the operands nothing reads now (SP must not see them)
+        while isinstance(operand, fx.Node) and not operand.users and operand.target in RELAYOUTS:
+            source = operand.args[0]
+            graph.erase_node(operand)
+            operand = source
     return f"per-token bmm [B, 1, {n}] @ [B, {n}, {hidden}] -> gated sum over the {n} streams: {total.name}"
 
 
 def _stream_view(x: fx.Node) -> bool:
-    """Whether the bmm's right operand can be HC streams: reshapes, copies, casts or expands of a value, with no
-    permute on the way (an attention score's ``k^T`` has one)."""
+    """Whether the bmm's right operand can be HC streams: reshapes, copies, casts, expands of a value, or permutes
+    that together only move unit dims (an einsum's), and no real transpose (an attention score's ``k^T``)."""
     node = x
-    while node.target in (aten.reshape.default, aten.view.default, aten.expand.default, aten.clone.default, CONVERT):
-        node = node.args[0]
-        if not isinstance(node, fx.Node):
-            return False
-    return node.target not in (aten.permute.default, aten.transpose.int, aten.t.default)
+    while True:
+        if node.target is aten.permute.default:
+            node, unit_only = _through_permutes(node)
+            if not unit_only:
+                return False
+        elif node.target in (aten.reshape.default, aten.view.default, aten.expand.default, aten.clone.default, CONVERT):
+            node = node.args[0]
+            if not isinstance(node, fx.Node):
+                return False
+        else:
+            return node.target not in (aten.transpose.int, aten.t.default)
+
+
+def _through_permutes(permute: fx.Node) -> tuple[fx.Node, bool]:
+    """The value behind a chain of permutes, and whether the chain as a whole only moves unit dims (keeps the
+    order of the dims of size other than 1, so it moves no data)."""
+    order, source = list(permute.args[1]), permute.args[0]
+    while source.target is aten.permute.default:  # compose: out dim i is source dim order[i]
+        order, source = [source.args[1][d] for d in order], source.args[0]
+    shape = _val(source).shape
+    kept = [d for d in order if shape[d] != 1]
+    return source, kept == sorted(kept)
+
+
+RELAYOUTS = {
+    aten.reshape.default,
+    aten.view.default,
+    aten.clone.default,
+    aten.permute.default,
+    aten.expand.default,
+    aten.unsqueeze.default,
+}
+
+
+def _before_relayouts(node: fx.Node) -> fx.Node:
+    """The value behind a chain of reshapes, copies, no-op expands and permutes that only move unit dims (none
+    changes the row-major order of the elements, so a reshape of it is a reshape of the chain's end)."""
+    while node.args and isinstance(node.args[0], fx.Node):
+        source = node.args[0]
+        if node.target is aten.permute.default:
+            source, unit_only = _through_permutes(node)
+            if not unit_only:
+                break
+        elif node.target is aten.expand.default:
+            if tuple(_val(source).shape) != tuple(_val(node).shape):
+                break
+        elif node.target not in (aten.reshape.default, aten.view.default, aten.clone.default):
+            break
+        node = source
+    return node
 
 
 def _token_view_end(bmm: fx.Node, hidden: int) -> fx.Node | None:
@@ -295,9 +352,7 @@ def _token_view_end(bmm: fx.Node, hidden: int) -> fx.Node | None:
     while len(node.users) == 1:
         [user] = node.users
         if user.target is aten.permute.default:
-            shape = _val(node).shape
-            kept = [d for d in user.args[1] if shape[d] != 1]
-            if kept != sorted(kept):
+            if not _through_permutes(user)[1]:
                 break
         elif user.target not in (aten.reshape.default, aten.view.default):
             break

@@ -69,6 +69,23 @@ def noop_convert(x: torch.Tensor) -> torch.Tensor:  # tracing drops a same-dtype
     return x * 2 + 1
 
 
+def gate_indexed_none(x: torch.Tensor) -> torch.Tensor:  # w[..., None]: unsqueeze(w, 1), a positive dim
+    return (x[:, :4].sigmoid()[..., None] * x.unflatten(-1, (4, 8))).sum(-2)
+
+
+def gate_indexed_none_not_summed(x: torch.Tensor) -> torch.Tensor:  # no gated sum behind it: left alone
+    return x[:, :4].sigmoid()[..., None] * x.unflatten(-1, (4, 8))
+
+
+def upcast_streams_into_gated_sum(x: torch.Tensor) -> torch.Tensor:  # DeepSeek's reference: upcast, then view
+    streams = x.bfloat16().float().view(5, 4, 8)
+    return (x[:, :4].sigmoid().unsqueeze(-1) * streams).sum(-2)
+
+
+def upcast_into_product_not_summed(x: torch.Tensor) -> torch.Tensor:
+    return x[:, :4].sigmoid().unsqueeze(-1) * x.bfloat16().float().view(5, 4, 8)
+
+
 # (spelling, rewrites expected)
 CASES: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = [
     (max_values, 1),
@@ -78,6 +95,10 @@ CASES: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = [
     (sigmoid_after_split, 1),
     (sigmoid_after_one_token_reshape, 0),
     (noop_convert, 1),
+    (gate_indexed_none, 1),
+    (gate_indexed_none_not_summed, 0),
+    (upcast_streams_into_gated_sum, 1),
+    (upcast_into_product_not_summed, 0),
 ]
 
 
@@ -115,3 +136,45 @@ def test_collapse_left_in_fp32_by_torch_211_still_fuses() -> None:
     got = gm(u, xn)
     assert any(node.target is torch.ops.hcpasses.gated_mean_quant.default for node in gm.graph.nodes)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+def matmul_collapse(x: torch.Tensor) -> torch.Tensor:  # an Ascend port: one [1, n] @ [n, S] GEMM per token
+    return torch.matmul(x[:, :4].softmax(-1).view(5, 1, 4), x.view(5, 4, 8)).view(5, 8)
+
+
+def einsum_collapse(x: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("tn,tnd->td", x[:, :4].softmax(-1), x.view(5, 4, 8))
+
+
+def attention_at_one_query(x: torch.Tensor) -> torch.Tensor:  # q @ k^T: k^T is a transpose, not streams
+    return torch.matmul(x[:, None, :4], x.view(5, 8, 4).transpose(-1, -2)).view(5, 8)
+
+
+def sixteen_row_product(x: torch.Tensor) -> torch.Tensor:  # n = 16 > MAX_STREAMS: an expert GEMM, say
+    return torch.matmul(x[:, :16].view(5, 1, 16), x.repeat(1, 4).view(5, 16, 8)).view(5, 8)
+
+
+# (spelling, rewrites expected): the one rewrite that may change the order of the n terms of a sum
+BMM_CASES = [(matmul_collapse, 1), (einsum_collapse, 1), (attention_at_one_query, 0), (sixteen_row_product, 0)]
+
+
+@pytest.mark.parametrize(("spelling", "rewrites"), BMM_CASES, ids=[f.__name__ for f, _ in BMM_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_per_token_bmm_becomes_the_gated_sum_within_its_rounding(
+    spelling: Callable, rewrites: int, dtype: torch.dtype
+) -> None:
+    """The bmm's products summed in fp32 and rounded once, as the GEMM does: bf16 results may differ by the
+    order of the n fp32 terms before their one rounding (one bf16 step at most), fp32 ones by fp32 rounding."""
+    gm = post_grad_like(spelling, torch.randn(5, 32, dtype=dtype))
+    inputs = [torch.randn(5, 32, generator=torch.Generator().manual_seed(seed)).to(dtype) for seed in range(4)]
+    before = [gm(x) for x in inputs]
+    result = CanonicalForms().run(gm.graph, HCPassesConfig())
+    gm.recompile()
+    gm.graph.lint()
+    assert result.applied == rewrites == len(result.notes), result
+    assert any(n.target is torch.ops.aten.bmm.default for n in gm.graph.nodes) == (rewrites == 0)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[dtype]
+    for x, want in zip(inputs, before, strict=True):
+        got = gm(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
