@@ -165,3 +165,27 @@ def test_qwen4_exp_counts_its_hc_blocks_exactly_on_cuda(dtype: torch.dtype) -> N
     assert fusion.applied == layers, report
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(37,), (2, 19)], ids=str)
+def test_mhc_spellings_fuse_and_count_exactly_on_cuda(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Every mHC collapse spelling of the corpus (the matmul and einsum ones rewritten to the gated sum), each
+    with a quant, on tokens ``[T]`` and ``[batch, seq]``, compiled on CUDA: one collapse per block, all fused
+    (stacked ``[..., n, S]`` streams flattened for the fused op), and the model matches eager."""
+    from corpus.mhc_spelled import COLLAPSES, MHCSpelling, SpelledMHC
+
+    blocks = [MHCSpelling(collapse, "reference") for collapse in COLLAPSES]
+    model = SpelledMHC(blocks, "einsum", dtype).cuda()
+    ids = torch.randint(0, 64, shape, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    torch._dynamo.reset()
+    be = hcpasses.backend()
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        out = torch.compile(model, backend=be)(ids)
+        expected = model(ids)
+    [report] = be.reports
+    fusion = report.record("gated_mean_quant")
+    assert fusion.notes[0] == f"HC stream collapses found: {len(blocks) + 1}", report
+    assert fusion.applied == len(blocks), report
+    tol = 0.1 if dtype == torch.bfloat16 else 3e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)

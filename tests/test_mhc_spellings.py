@@ -85,7 +85,10 @@ def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject) -
     for got, want_outputs in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
         assert_same_as_sp_off(got, want_outputs, fp32_fp8=any_quant, eager=[expected])
     # Eager rounds where the graph may not (the bmm's and the fused op's one rounding of the sum), and a changed
-    # rounding can flip an FP8 code; a wrong row, a lost reduce or a wrong form is O(1).
-    tol = {(torch.float32, False): 1e-4, (torch.float32, True): 3e-2}.get((dtype, any_quant), 0.1)
+    # rounding can flip an FP8 code (one e4m3 step: 1/8 of that input, carried through every later block: up to
+    # 0.21 seen on bf16 logits of scale ~3); a wrong row, a lost reduce or a wrong form is O(1).
+    tol = {(torch.float32, False): 1e-4, (torch.float32, True): 3e-2, (torch.bfloat16, False): 0.1}.get(
+        (dtype, any_quant), 0.25
+    )
     for rank_outputs in outputs:
         torch.testing.assert_close(rank_outputs[0].float(), expected.float(), rtol=tol, atol=tol)
