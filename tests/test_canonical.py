@@ -178,3 +178,29 @@ def test_per_token_bmm_becomes_the_gated_sum_within_its_rounding(
         got = gm(x)
         assert got.dtype == want.dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_mhc_collapse_whose_rounding_torch_211_folds_is_found_not_fused() -> None:
+    """On torch 2.11, ``pointless_convert`` folds an mHC collapse's ``.to(bf16)`` and the ``.float()`` of what
+    reads it (a norm, a quant): the sum stays fp32. That block is still an HC collapse (found once, so SP shards
+    it), but the fused op rounds x to bf16 first, so it is left unfused and the report says why. With the
+    rounding kept (torch 2.13), the same block fuses and the fp32 sum inside it is not counted twice."""
+
+    def unrounded(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_token_quant((w.unsqueeze(-1) * h).sum(-2))
+
+    def rounded(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_token_quant((w.unsqueeze(-1) * h).sum(-2).to(h.dtype))
+
+    w, h = torch.rand(6, 4), torch.randn(6, 4, 16, dtype=torch.bfloat16)
+    for spelling, fused in ((unrounded, 0), (rounded, 1)):
+        gm = post_grad_like(spelling, w, h)
+        want = gm(w, h)
+        result = GatedMeanQuantFusion().run(gm.graph, HCPassesConfig())
+        gm.recompile()
+        assert result.notes[:2] == ("HC stream collapses found: 1", f"fused with a per-token FP8 quant: {fused}")
+        assert result.applied == fused
+        if not fused:
+            assert "x stays float32 over torch.bfloat16 streams" in result.reason, result.reason
+            got = gm(w, h)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))

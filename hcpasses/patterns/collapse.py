@@ -33,6 +33,8 @@ from hcpasses.patterns.gated_mean import (
     per_token_quant,
     stacked_mhc_collapse,
     transformers_gated_mean,
+    unrounded_mhc_collapse,
+    unrounded_stacked_mhc_collapse,
 )
 from hcpasses.patterns.tracing import matched, reduces_dim, same_sizes, split_streams, trace_pattern
 
@@ -56,11 +58,18 @@ class Collapse:
     stacked: bool = False  # streams are [..., n, S] (no reshape in the pattern) instead of [..., n*S]
     dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES  # activation dtypes the form is traced for
     rounded_sum: bool = False  # the sum is rounded to the activation dtype before the division by n
+    unrounded: bool = False  # x stays fp32 over bf16 / fp16 streams (the fused op rounds x to the streams' dtype)
 
     def refusal(self, n: int, dtype: torch.dtype) -> str | None:
         """Why the fused op (fp32 terms, one rounding of the mean) would not give this form's values for
         ``n`` streams of ``dtype``; None when it does (bit-identical, or within the one rounding of the
         products that the activation-dtype forms make)."""
+        if self.unrounded:
+            return (
+                f"x stays float32 over {dtype} streams (written so, or its rounding to {dtype} folded away by torch "
+                "2.11's pointless_convert before an upcast); the fused op rounds x once, which would change the "
+                "graph's values"
+            )
         if self.rounded_sum and n & (n - 1):
             return (
                 f"the sum is rounded to {dtype} before the division by n = {n} (not a power of two: a second "
@@ -100,6 +109,27 @@ COLLAPSES = (
     Collapse("mhc", mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False),
     Collapse(
         "mhc_stacked", stacked_mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False, stacked=True
+    ),
+    # Found (an HC block to SP; inside a rounded form it is the same block, found once as the outer match) but
+    # never fused: see Collapse.refusal.
+    Collapse(
+        "mhc_unrounded",
+        unrounded_mhc_collapse,
+        aten.sum.dim_IntList,
+        gated_mean=False,
+        literal_n=False,
+        dtypes=(torch.bfloat16, torch.float16),
+        unrounded=True,
+    ),
+    Collapse(
+        "mhc_stacked_unrounded",
+        unrounded_stacked_mhc_collapse,
+        aten.sum.dim_IntList,
+        gated_mean=False,
+        literal_n=False,
+        stacked=True,
+        dtypes=(torch.bfloat16, torch.float16),
+        unrounded=True,
     ),
 )
 

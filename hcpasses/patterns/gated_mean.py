@@ -12,6 +12,9 @@ pattern (``hcpasses.patterns.tracing``). They must be written exactly as model c
   one rounding.
 - ``stacked_mhc_collapse``: the same collapse as transformers' ``DeepseekV4HyperConnection`` writes it, on
   streams kept stacked as ``[..., n, S]``.
+- ``unrounded_mhc_collapse`` / ``unrounded_stacked_mhc_collapse``: the same sums left in fp32 over bf16 / fp16
+  streams, with no rounding to the streams' dtype: written so, or what torch 2.11's ``pointless_convert``
+  leaves of ``.to(h.dtype)`` followed by an upcast (a norm's or a quant's ``.float()``).
 - ``per_token_quant``: PTPC-FP8 activation quant (vLLM's convention, DESIGN §5).
 
 Streams are ``[..., n*S]`` stream-major (stream s is columns ``s*S:(s+1)*S``) or stacked ``[..., n, S]``;
@@ -49,6 +52,16 @@ def mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch
 def stacked_mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
     """``sum_s w_s * h_s`` over stacked streams ``h [..., n, S]`` with fp32 gates ``w [..., n]``, one rounding."""
     return (w.unsqueeze(-1) * h).sum(-2).to(h.dtype)
+
+
+def unrounded_mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """``sum_s w_s * h_s`` over flat streams ``h [T, n*S]``, left in fp32."""
+    return (w.unsqueeze(-1) * h.unflatten(-1, (n, hidden))).sum(-2)
+
+
+def unrounded_stacked_mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """``sum_s w_s * h_s`` over stacked streams ``h [..., n, S]``, left in fp32."""
+    return (w.unsqueeze(-1) * h).sum(-2)
 
 
 def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
