@@ -195,5 +195,14 @@ def test_mhc_spellings_fuse_and_count_exactly_on_cuda(dtype: torch.dtype, shape:
         assert fusion.reason.count("x stays float32 over torch.bfloat16 streams") == len(blocks) - kept, fusion.reason
     else:
         assert fusion.applied == len(blocks), report
-    tol = 0.1 if dtype == torch.bfloat16 else 3e-2
-    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=3e-2, atol=3e-2)  # one e4m3 step on a flipped code
+        return
+    # bf16 + FP8 through five blocks amplifies every changed rounding (a flipped e4m3 code is 1/8 of an input):
+    # plain Inductor is itself up to 0.95 from eager on logits of scale 4 (H200, torch 2.11, 2026-12-01). The
+    # passes may not move the model further from eager than Inductor's own compile does, beyond that noise.
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        inductor = torch.compile(model)(ids)
+    own = (inductor.float() - expected.float()).abs().max().item()
+    assert (out.float() - expected.float()).abs().max().item() <= 1.5 * own + 0.1, own
