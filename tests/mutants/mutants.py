@@ -143,4 +143,30 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_spellings.py::test_forms_that_would_change_numerics_are_left_alone_at_three_streams",),
         k="fp32_sum",
     ),
+    Mutant(
+        name="finder_counts_lookalikes",
+        fault="the collapse finder takes every gated sum over [..., n, S] for an HC collapse (a delta-rule solve too)",
+        file="hcpasses/patterns/collapse.py",
+        old="""    if lead > MAX_TOKEN_DIMS:
+        return f"{lead} leading dims (HC streams lead with [T] or [batch, seq])"
+    if hidden <= n:
+        return f"width {hidden} is not wider than its {n} streams"
+    return None
+""",
+        new="""    del lead, hidden, n  # the shape check dropped
+    return None
+""",
+        tests=("tests/test_corpus_sp.py::test_delta_rule_solve_steps_are_not_hc_blocks",),
+        k="float32",
+    ),
+    Mutant(
+        name="fuse_unrounded_mhc",
+        fault="the fusion fuses an mHC sum left in fp32 over bf16 streams (the fused op rounds x: values change)",
+        file="hcpasses/patterns/collapse.py",
+        old="""        if self.unrounded:
+            return (""",
+        new="""        if self.unrounded and False:
+            return (""",
+        tests=("tests/test_canonical.py::test_mhc_collapse_whose_rounding_torch_211_folds_is_found_not_fused",),
+    ),
 )
