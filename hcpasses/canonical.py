@@ -258,8 +258,9 @@ def token_bmm_to_gated_sum(graph: fx.Graph, node: fx.Node) -> str | None:
     end = _token_view_end(node, hidden)
     lead = list(end.args[1][:-1]) if end is not None else None
     with graph.inserting_before(end or node):  # end's sizes may be computed after the bmm
-        if lead is None:
-            gate = _call(graph, aten.squeeze.dim, (a, 1), a_val.squeeze(1))
+        if lead is None:  # the result [B, 1, S] is used as it is ([batch, 1] tokens: decode): keep that layout
+            gate, x = _same_shape_source(a), _same_shape_source(x)
+            x = _call(graph, aten.unsqueeze.default, (x, 1), _val(x).unsqueeze(1))
         else:  # view the values behind the bmm's operand relayouts to the result's token layout
             tokens = _val(end).shape[:-1]
             gate, x = _before_relayouts(a), _before_relayouts(x)
@@ -272,8 +273,6 @@ def token_bmm_to_gated_sum(graph: fx.Graph, node: fx.Node) -> str | None:
         total = _call(graph, aten.sum.dim_IntList, (product, [-2]), _val(product).sum(-2))
         if dtype != torch.float32:
             total = _call(graph, CONVERT, (total, dtype), _val(total).to(dtype))
-        if end is None:
-            total = _call(graph, aten.unsqueeze.default, (total, 1), _val(node))
     replaced = end or node
     replaced.replace_all_uses_with(total)
     while replaced is not node:  # the view chain from the bmm to its end, last first
@@ -325,6 +324,13 @@ RELAYOUTS = {
     aten.expand.default,
     aten.unsqueeze.default,
 }
+
+
+def _same_shape_source(node: fx.Node) -> fx.Node:
+    """``_before_relayouts(node)`` when it has ``node``'s shape (only copies, no-op expands and permutes of unit
+    dims that cancel lie between), else ``node``."""
+    source = _before_relayouts(node)
+    return source if tuple(_val(source).shape) == tuple(_val(node).shape) else node
 
 
 def _before_relayouts(node: fx.Node) -> fx.Node:

@@ -136,7 +136,13 @@ def _through_views(streams: fx.Node, tokens: Any) -> fx.Node:
     return node
 
 
-VALUE_VIEWS = {aten.reshape.default, aten.view.default, aten.clone.default, prims.convert_element_type.default}
+VALUE_VIEWS = {
+    aten.reshape.default,
+    aten.view.default,
+    aten.clone.default,
+    aten.unsqueeze.default,
+    prims.convert_element_type.default,
+}
 
 
 def _is_noop_expand(node: fx.Node) -> bool:
