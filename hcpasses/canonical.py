@@ -35,7 +35,8 @@ of its n terms may differ (within the fp32 rounding of an n-term sum). It applie
 with no permute on the streams' side (attention's ``q @ k^T`` at one query is no collapse).
 
 Applies to every graph (each rewrite is local); reports each rewrite with its node. Hand-written on plain FX
-rather than with Inductor's pattern matcher: each is a one-node rewrite with a dtype precondition.
+rather than with Inductor's pattern matcher: each is a local rewrite (one node, or a bmm and the views around
+it) with dtype and shape preconditions that a traced pattern cannot state.
 """
 
 from __future__ import annotations
