@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gated_residual import SwiGLU
+from .gated_residual import SwiGLU, _frozen
 from .quants import QUANTS
 
 
@@ -83,18 +83,14 @@ def sinkhorn(logits: torch.Tensor, steps: int = 3, eps: float = 1e-6) -> torch.T
     return comb
 
 
-def _fp32(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.float(), requires_grad=False)
-
-
 class MHCBlock(nn.Module):
     def __init__(self, n: int, hidden: int, g: torch.Generator, collapse: str) -> None:
         super().__init__()
         self.n, self.collapse = n, COLLAPSES[collapse]
         width, outputs = n * hidden, (2 + n) * n
-        self.fn = _fp32(torch.randn(outputs, width, generator=g) * width**-0.5)
-        self.base = _fp32(torch.randn(outputs, generator=g) * 0.5)
-        self.scale = _fp32(1 + 0.1 * torch.randn(3, generator=g))
+        self.fn = _frozen(torch.randn(outputs, width, generator=g) * width**-0.5, torch.float32)
+        self.base = _frozen(torch.randn(outputs, generator=g) * 0.5, torch.float32)
+        self.scale = _frozen(1 + 0.1 * torch.randn(3, generator=g), torch.float32)
 
     def pre(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x, post, comb)`` from the streams ``h [..., n, S]``."""
@@ -130,13 +126,12 @@ class SpelledMHC(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(5)
         self.n = n
-        self.embed = nn.Parameter((torch.randn(vocab, hidden, generator=g)).to(dtype), requires_grad=False)
+        self.embed = _frozen(torch.randn(vocab, hidden, generator=g), dtype)
         self.spellings = list(blocks)
         self.blocks = nn.ModuleList(MHCBlock(n, hidden, g, spelling.collapse) for spelling in blocks)
         self.sublayers = nn.ModuleList(SwiGLU(hidden, 64, tp, rank, g, dtype) for _ in blocks)
         self.final = MHCBlock(n, hidden, g, final)
-        head = torch.randn(vocab, hidden, generator=g) * hidden**-0.5
-        self.head = nn.Parameter(head.to(dtype), requires_grad=False)
+        self.head = _frozen(torch.randn(vocab, hidden, generator=g) * hidden**-0.5, dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed[ids]
