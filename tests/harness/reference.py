@@ -117,9 +117,10 @@ def assert_same_as_sp_off(
 
     bf16 / fp16 / integer outputs: bit-identical. fp32: within 1e-6 of the SP-off value; with ``fp32_fp8``
     (an fp32 model whose sub-layer inputs are FP8-quantised) a code on a rounding boundary may flip, moving a
-    sub-layer input by one e4m3 step, so the bound is the FP8 one (3e-2) and at most 1 % of the values may
-    exceed 1e-6. Given the single-device ``eager`` outputs, the fp32 bound is the larger of 1e-6 and 4x the
-    SP-off graph's own distance from eager: fp32 GEMMs over R rows round differently from the same GEMMs over
+    sub-layer input by one e4m3 step, so the bound is the FP8 one (3e-2) and at most 1 % of the values (or,
+    in an output of few tokens, the values of one row: a flip moves its whole token) may exceed 1e-6. Given
+    the single-device ``eager`` outputs, the fp32 bound is the larger of 1e-6 and 4x the SP-off graph's own
+    distance from eager: fp32 GEMMs over R rows round differently from the same GEMMs over
     T rows, and a model that amplifies rounding (a PLE conv after sharded HC blocks: measured 1.5e-5 between
     SP and SP off where SP off is 2.6e-5 from eager) carries that last-bit difference into its outputs. A
     wrong row or a lost reduce is O(1), far above either bound.
@@ -136,7 +137,10 @@ def assert_same_as_sp_off(
         else:
             torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2, msg=f"output {index}")
             off = (got - want).abs() > FP32_BOUND * (1 + want.abs())
-            assert float(off.float().mean()) <= 0.01, f"output {index}: {float(off.float().mean()):.3%} off"
+            rows_off = int(off.reshape(-1, off.shape[-1]).any(-1).sum()) if off.dim() else int(off)
+            assert float(off.float().mean()) <= 0.01 or rows_off <= 1, (
+                f"output {index}: {float(off.float().mean()):.3%} off, in {rows_off} rows"
+            )
 
 
 def _worst(got: torch.Tensor, want: torch.Tensor) -> str:
