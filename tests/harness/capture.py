@@ -31,7 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.virtualized import V
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .simulator import simulate, simulate_compiled
@@ -39,9 +42,11 @@ from .simulator import simulate, simulate_compiled
 __all__ = [
     "CaptureError",
     "CapturedGraph",
+    "RankDependentTrace",
     "RecordingPass",
     "capture_post_grad",
     "capture_ranks",
+    "capture_ranks_from_one_trace",
     "check_inputs",
     "copy_graph",
     "fake_process_group",
@@ -56,6 +61,10 @@ _CACHE_PATCHES: dict[str, Any] = {"fx_graph_cache": False}
 
 class CaptureError(RuntimeError):
     """The capture did not produce usable graphs or inputs."""
+
+
+class RankDependentTrace(CaptureError):
+    """Rank 0's trace does not hold for another rank's model (e.g. uneven shards): capture per rank."""
 
 
 @dataclass
@@ -106,6 +115,7 @@ class RecordingPass(CustomGraphPass):
 
     def __init__(self, inner: Callable[[torch.fx.Graph], None] | None = None, stop: bool = False) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
+        self.contexts: list[TracingContext | None] = []  # the tracing context each graph was compiled in
         self.inner = inner
         self.stop = stop
         self._token = uuid.uuid4().hex
@@ -114,6 +124,7 @@ class RecordingPass(CustomGraphPass):
         if self.inner is not None:
             self.inner(graph)
         self.graphs.append(copy_graph(graph))
+        self.contexts.append(TracingContext.try_get())
         if self.stop:
             raise _Recorded  # skip Inductor's codegen: only the graph is wanted
 
@@ -150,6 +161,7 @@ class _Compiled:
     graphs: list[torch.fx.GraphModule]
     compiled: Callable[..., Any] | None = None  # Inductor's generated code (None without codegen)
     calls: list[list[Any]] = field(default_factory=list)
+    contexts: list[TracingContext | None] = field(default_factory=list)  # one per graph
 
 
 def _snapshot(args: Sequence[Any]) -> list[Any]:
@@ -179,7 +191,11 @@ class _CapturingBackend:
             if not (self.recorder.stop and len(self.recorder.graphs) > before and _caused_by_stop(err)):
                 raise
             compiled, generated = gm.forward, False  # the capture run itself runs Dynamo's graph eagerly
-        entry = _Compiled(graphs=self.recorder.graphs[before:], compiled=compiled if generated else None)
+        entry = _Compiled(
+            graphs=self.recorder.graphs[before:],
+            compiled=compiled if generated else None,
+            contexts=self.recorder.contexts[before:],
+        )
         self.compiled.append(entry)
 
         def run(*args: Any) -> Any:
@@ -333,6 +349,84 @@ def capture_ranks(
     if len(set(counts)) != 1:
         raise CaptureError(f"ranks captured different numbers of graphs: {counts}")
     return per_rank
+
+
+def capture_ranks_from_one_trace(
+    build_fn: Callable[[int, int], Callable[..., Any]],
+    args_fn: Callable[[int, int], Sequence[Any]],
+    tp: int,
+    rewrite: Callable[[torch.fx.Graph], None],
+    *,
+    dynamic: bool | None = False,
+    config_patches: dict[str, Any] | None = None,
+) -> list[list[CapturedGraph]]:
+    """Like :func:`capture_ranks` with ``codegen=False`` and ``rewrite`` as the post-grad pre pass, but
+    Dynamo and AOTAutograd trace rank 0's model only: every rank's graph is that post-grad graph, copied and
+    given to ``rewrite`` under the rank's fake group (the passes read the rank from the default group).
+
+    A trace takes most of a capture's seconds, so this saves tp - 1 of them. It is valid when the graph does
+    not depend on the rank: the model reads its rank at construction and its shards have equal shapes on
+    every rank. Dynamo checks that for us: each rank's model is called through rank 0's compiled function,
+    whose guards accept it only if the trace holds for it. (A
+    forward that asks the default group for its rank at call time would see rank 0: such a model must be
+    captured per rank.) Raises :class:`RankDependentTrace` before any ``rewrite`` ran when the guards refuse a
+    rank. ``tests/test_harness.py`` pins that both captures give the same graphs.
+    """
+    models, arguments = [], []
+    for rank in range(tp):
+        with fake_process_group(rank, tp):
+            models.append(build_fn(rank, tp))
+            arguments.append(list(args_fn(rank, tp)))
+    patches = dict(config_patches or {})
+    if "post_grad_custom_pre_pass" in patches:
+        raise CaptureError("capture_ranks_from_one_trace runs `rewrite` itself; pass no post_grad_custom_pre_pass")
+    backend = _CapturingBackend(patches, codegen=False)
+    with fake_process_group(0, tp):
+        torch.compiler.reset()
+        try:
+            compiled = torch.compile(_call_model, backend=backend, dynamic=dynamic)
+            with torch.no_grad():
+                for rank in range(tp):
+                    compiled(models[rank], *arguments[rank])
+                    if rank == 0:
+                        traced = len(backend.compiled)
+                    elif len(backend.compiled) != traced:
+                        raise RankDependentTrace(
+                            f"rank {rank}'s model did not reuse rank 0's trace (Dynamo recompiled: the graph "
+                            "depends on the rank); capture it per rank with capture_ranks"
+                        )
+        finally:
+            torch.compiler.reset()
+    return [[_rewritten(entry, rank, tp, rewrite) for entry in backend.compiled] for rank in range(tp)]
+
+
+def _call_model(model: Callable[..., Any], *args: Any) -> Any:
+    """The function compiled for every rank: the model is an argument, so one trace serves every rank's model."""
+    return model(*args)
+
+
+def _rewritten(entry: _Compiled, rank: int, tp: int, rewrite: Callable[[torch.fx.Graph], None]) -> CapturedGraph:
+    """Rank ``rank``'s copy of one recorded graph after ``rewrite``, with the rank's recorded call."""
+    if len(entry.graphs) != 1 or len(entry.calls) != tp:
+        raise CaptureError(
+            f"expected 1 graph called once per rank, got {len(entry.graphs)} graph(s), "
+            f"{len(entry.calls)} call(s) for {tp} ranks"
+        )
+    gm = copy_graph(entry.graphs[0].graph)
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    # Inductor runs its post-grad passes in its tracing context, with its fake mode installed (pattern-matcher
+    # replacements trace in it) and the Python dispatcher on (the meta kernels of some ops, e.g. a pad of
+    # symbolic size, are Python decompositions).
+    with (
+        fake_process_group(rank, tp),
+        tracing(entry.contexts[0]),
+        V.set_fake_mode(fake_mode),
+        enable_python_dispatcher(),
+    ):
+        rewrite(gm.graph)
+    gm.recompile()
+    check_inputs(gm, entry.calls[rank])
+    return CapturedGraph(gm=gm, calls=[entry.calls[rank]], rank=rank, tp=tp)
 
 
 def simulate_captured(

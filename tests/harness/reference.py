@@ -12,6 +12,7 @@ gets the FP8 bound below. Eager single-device runs remain a second, looser check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from hcpasses.patterns.collapse import FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM
 from hcpasses.report import GraphReport
 from hcpasses.sp_rewrite import SPRewrite
 
-from .capture import capture_ranks, copy_graph, count_calls
+from .capture import RankDependentTrace, capture_ranks, capture_ranks_from_one_trace, copy_graph, count_calls
 
 c10d = torch.ops._c10d_functional
 FUSED_OPS = (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)
@@ -78,17 +79,31 @@ def capture_with_passes(
     args_fn: Callable[[int, int], Sequence[Any]],
     tp: int,
     config: HCPassesConfig,
+    *,
+    one_trace: bool = False,
     **capture_kwargs: Any,
 ) -> RankGraphs:
     """Every rank's post-grad graph after the passes of ``config`` (see :func:`capture_ranks`), and the graph
-    the SP pass was given (when it ran)."""
+    the SP pass was given (when it ran).
+
+    ``one_trace`` traces rank 0 only and runs the passes on a copy of its graph for every rank
+    (:func:`capture_ranks_from_one_trace`; no codegen), or captures per rank where Dynamo finds that rank 0's
+    trace does not hold for another rank.
+    """
     reports: list[GraphReport] = []
     snapshot = SnapshotBeforeSP()
     manager = PassManager(
         config, reports.append, passes=(CanonicalForms(), GatedMeanQuantFusion(), snapshot, DeadCodeCleanup())
     )
-    patches = {**capture_kwargs.pop("config_patches", {}), "post_grad_custom_pre_pass": manager}
-    captures = capture_ranks(build_fn, args_fn, tp, config_patches=patches, **capture_kwargs)
+    captures = None
+    if one_trace:
+        if capture_kwargs.pop("codegen", False):
+            raise ValueError("one_trace captures graphs only: codegen needs a compile per rank")
+        with contextlib.suppress(RankDependentTrace):  # uneven shards: the per-rank capture below
+            captures = capture_ranks_from_one_trace(build_fn, args_fn, tp, manager, **capture_kwargs)
+    if captures is None:
+        patches = {**capture_kwargs.pop("config_patches", {}), "post_grad_custom_pre_pass": manager}
+        captures = capture_ranks(build_fn, args_fn, tp, config_patches=patches, **capture_kwargs)
     if config.sp_rewrite and len(snapshot.graphs) != len(reports):
         raise RuntimeError(f"{len(reports)} graphs compiled but SP saw {len(snapshot.graphs)}")
     per_rank = len(reports) // tp  # ranks compile in turn, each the same number of graphs
