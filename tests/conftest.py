@@ -7,7 +7,10 @@ Pick one with ``HYPOTHESIS_PROFILE=ci``.
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import pytest
+from harness.reference import CheckedGraphs
 from hypothesis import HealthCheck, settings
 
 # 100 examples: the SP properties now run every example twice (SP and the SP-off reference) over a wider
@@ -31,3 +34,44 @@ LONG_TESTS = (
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {name: index for index, name in enumerate(LONG_TESTS)}
     items.sort(key=lambda item: rank.get(item.originalname, len(LONG_TESTS)))
+
+
+# The reliability budget (issue #11): rewritten graphs checked against eager per run, summed over the workers.
+CHECKED = pytest.StashKey[CheckedGraphs]()
+MIN_CHECKED_ENV = "HCPASSES_MIN_CHECKED_GRAPHS"  # set by .ci/run for the whole suite
+
+
+@pytest.fixture(scope="session")
+def checked_graphs(request: pytest.FixtureRequest) -> CheckedGraphs:
+    """The session's tally: a property test adds each example's graphs once its checks passed."""
+    return request.config.stash.setdefault(CHECKED, CheckedGraphs())
+
+
+def _total(config: pytest.Config) -> int:
+    return config.stash.setdefault(CHECKED, CheckedGraphs()).graphs
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """On the controller: add what a finished worker counted."""
+    node.config.stash.setdefault(CHECKED, CheckedGraphs()).graphs += node.workeroutput.get("checked_graphs", 0)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A worker hands its count to the controller; the controller (or a run without workers) enforces the floor."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["checked_graphs"] = _total(session.config)
+        return
+    floor = int(os.environ.get(MIN_CHECKED_ENV, "0"))
+    if _total(session.config) < floor and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if hasattr(config, "workeroutput"):
+        return
+    floor = int(os.environ.get(MIN_CHECKED_ENV, "0"))
+    line = f"rewritten graphs checked against eager: {_total(config)}"
+    if floor:
+        line += f" (floor {floor}: {'met' if _total(config) >= floor else 'NOT MET, the run fails'})"
+    terminalreporter.write_line(line)

@@ -2,7 +2,7 @@
 (``tests/corpus/mhc_spelled.py``: transformers, DeepSeek's reference, an MLX port, a batched matmul, an einsum).
 
 Hypothesis draws, per block, the collapse and the sub-layer input quant (or none), and per model the dtype, tp
-(1 or 2), the token layout (``[T]`` or ``[batch, seq]``) and T (1, below tp, ragged, a multiple of tp). Each
+(1, 2 or 4), the token layout (``[T]`` or ``[batch, seq]``) and T (1, below tp, ragged, a multiple of tp). Each
 example checks the exact counts of every pass in the graph and in the report, the SP graph against the same
 graph with SP off (bit-exact in bf16) and the model against eager.
 """
@@ -13,8 +13,14 @@ import torch
 from corpus.mhc_spelled import COLLAPSES, MHCSpelling, SpelledMHC
 from corpus.quants import QUANTS
 from harness import simulate
-from harness.reference import assert_same_as_sp_off, capture_with_passes, collective_counts, fused_op_count
-from hypothesis import given, settings
+from harness.reference import (
+    CheckedGraphs,
+    assert_same_as_sp_off,
+    capture_with_passes,
+    collective_counts,
+    fused_op_count,
+)
+from hypothesis import given
 from hypothesis import strategies as st
 from test_spellings import token_counts
 
@@ -39,14 +45,12 @@ def canonical_rewrites(collapse: str, quant: str | None, dtype: torch.dtype) -> 
     return per_collapse + per_quant
 
 
-# Each example captures every rank's graph (about 2 s per rank on 2 cores): a quarter of the profile's examples.
-@settings(max_examples=max(10, settings.default.max_examples // 4))
 @given(data=st.data())
-def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject) -> None:
+def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject, checked_graphs: CheckedGraphs) -> None:
     blocks = data.draw(st.lists(SPELLINGS, min_size=1, max_size=3), label="blocks")
     final = data.draw(st.sampled_from(list(COLLAPSES)), label="final")
     dtype = data.draw(st.sampled_from((torch.float32, torch.bfloat16)), label="dtype")
-    tp = data.draw(st.sampled_from((1, 2)), label="tp")
+    tp = data.draw(st.sampled_from((1, 2, 4)), label="tp")
     batch = data.draw(st.sampled_from((None, 1, 2)), label="batch")  # None: tokens [T], else [batch, seq]
     tokens = data.draw(token_counts(tp), label="tokens")
     seed = data.draw(st.integers(0, 2**16), label="seed")
@@ -58,7 +62,7 @@ def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject) -
         lambda rank, size: (ids,),
         tp,
         HCPassesConfig(sp_min_tokens=1),
-        codegen=False,
+        one_trace=True,
     )
     report, graph = sharded.report, sharded.graphs[0]
     fusion = report.record("gated_mean_quant")
@@ -92,3 +96,4 @@ def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject) -
     )
     for rank_outputs in outputs:
         torch.testing.assert_close(rank_outputs[0].float(), expected.float(), rtol=tol, atol=tol)
+    checked_graphs.add(sharded)

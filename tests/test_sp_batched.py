@@ -12,6 +12,7 @@ import pytest
 import torch
 from harness import simulate
 from harness.reference import (
+    CheckedGraphs,
     RankGraphs,
     assert_same_as_sp_off,
     capture_with_passes,
@@ -58,7 +59,7 @@ def captured_at(case: tuple, static_shape: tuple[int, int] | None) -> RankGraphs
         tp,
         HCPassesConfig(sp_min_tokens=1),
         dynamic=dynamic,
-        codegen=False,
+        one_trace=True,
     )
 
 
@@ -95,7 +96,9 @@ def shapes(draw: st.DrawFn, tp: int, dynamic: bool) -> tuple[int, int]:
 # Captures per case and static shape: past the suite's 600 s per-test limit under the ci profile.
 @pytest.mark.timeout(1800)
 @given(data=st.data(), case=st.sampled_from(CASES), seed=st.integers(0, 2**16))
-def test_batched_streams_are_sharded_and_match_sp_off_and_eager(data: st.DataObject, case: tuple, seed: int) -> None:
+def test_batched_streams_are_sharded_and_match_sp_off_and_eager(
+    data: st.DataObject, case: tuple, seed: int, checked_graphs: CheckedGraphs
+) -> None:
     tp, mix, state, fp8, dynamic = case
     batch, seq = data.draw(shapes(tp, dynamic), label="shape")
     sharded = captured(case, (batch, seq))
@@ -118,6 +121,7 @@ def test_batched_streams_are_sharded_and_match_sp_off_and_eager(data: st.DataObj
     want_counts = {"all_reduce": 0, "reduce_scatter": 2 * 2, "all_gather": gathers}
     assert collective_counts(sharded.graphs[0]) == want_counts
     assert fused_op_count(sharded.graphs[0]) == (4 if fp8 else 0) == sharded.report.applied["gated_mean_quant"]
+    checked_graphs.add(sharded)
 
 
 SHAPES = [(2, 9), (3, 4), (2, 3)]  # batch x seq = 18, 12, 6 against sp_min_tokens=10 (batch 1 would specialise)

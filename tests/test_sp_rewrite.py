@@ -11,6 +11,7 @@ import pytest
 import torch
 from harness import simulate, simulate_compiled
 from harness.reference import (
+    CheckedGraphs,
     RankGraphs,
     assert_same_as_sp_off,
     capture_with_passes,
@@ -73,7 +74,7 @@ def capture(case: Case, tokens: int, dynamic: bool) -> RankGraphs:
         case.tp,
         HCPassesConfig(sp_min_tokens=1),
         dynamic=dynamic,
-        codegen=False,
+        one_trace=True,
     )
 
 
@@ -198,11 +199,13 @@ def token_counts(draw: st.DrawFn, tp: int, dynamic: bool) -> int:
 # alone ran past 1800 s in CI).
 @pytest.mark.timeout(2400)
 @given(data=st.data(), case=st.sampled_from(CASES), seed=st.integers(0, 2**16))
-def test_sharded_graph_matches_sp_off_and_eager(data: st.DataObject, case: Case, seed: int) -> None:
-    check_sharded_graph(data, case, seed)
+def test_sharded_graph_matches_sp_off_and_eager(
+    data: st.DataObject, case: Case, seed: int, checked_graphs: CheckedGraphs
+) -> None:
+    checked_graphs.add(check_sharded_graph(data, case, seed))
 
 
-def check_sharded_graph(data: st.DataObject, case: Case, seed: int) -> None:
+def check_sharded_graph(data: st.DataObject, case: Case, seed: int) -> RankGraphs:
     """One example: the case's graphs at a drawn T against the SP-off graph and eager, and the graph's
     collectives and fused ops against what the case must produce."""
     tokens = data.draw(token_counts(case.tp, case.dynamic), label="tokens")
@@ -233,16 +236,19 @@ def check_sharded_graph(data: st.DataObject, case: Case, seed: int) -> None:
     assert (sp.status == "applied") == (case.tp > 1)
     assert sp.applied == (0 if case.tp == 1 else 2 * case.layers + 1)
     assert sp.facts.get("cuts", 0) == (1 if case.tp > 1 and case.ple_layer else 0), sp.notes
+    return sharded
 
 
 @pytest.mark.parametrize(("tp", "tokens", "fp8", "ple"), [(2, 9, True, None), (3, 2, False, 1), (4, 31, True, 0)])
-def test_mhc_family_is_sharded_and_matches_sp_off_and_eager(tp: int, tokens: int, fp8: bool, ple: int | None) -> None:
+def test_mhc_family_is_sharded_and_matches_sp_off_and_eager(
+    tp: int, tokens: int, fp8: bool, ple: int | None, checked_graphs: CheckedGraphs
+) -> None:
     from models.mhc import MHCDecoder
 
     cfg = HCConfig.tiny(fp8=fp8, n_layers=2, ple_layer=ple, n_heads=12, n_kv_heads=12, intermediate=96, seed=4)
     ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
     config = HCPassesConfig(sp_min_tokens=1)
-    sharded = capture_with_passes(lambda rank, tp: MHCDecoder(cfg), lambda rank, tp: (ids,), tp, config, codegen=False)
+    sharded = capture_with_passes(lambda rank, tp: MHCDecoder(cfg), lambda rank, tp: (ids,), tp, config, one_trace=True)
     unsharded = sharded.sp_off()
     outputs = simulate(sharded.graphs, sharded.inputs)
     with torch.no_grad():
@@ -261,6 +267,7 @@ def test_mhc_family_is_sharded_and_matches_sp_off_and_eager(tp: int, tokens: int
         == (2 * cfg.n_layers if fp8 else 0)
         == sharded.report.applied["gated_mean_quant"]
     )
+    checked_graphs.add(sharded)
 
 
 # A fixed sample of cases whose rewritten graphs go through Inductor's code generation and run as generated
