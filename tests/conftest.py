@@ -47,6 +47,15 @@ def checked_graphs(request: pytest.FixtureRequest) -> CheckedGraphs:
     return request.config.stash.setdefault(CHECKED, CheckedGraphs())
 
 
+FLOOR = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Taken out of the environment: pytest runs that tests start in subprocesses (the Triton interpreter's)
+    # check a few tests, not the suite, and must not inherit the suite's floor.
+    config.stash[FLOOR] = int(os.environ.pop(MIN_CHECKED_ENV, "0"))
+
+
 def _total(config: pytest.Config) -> int:
     return config.stash.setdefault(CHECKED, CheckedGraphs()).graphs
 
@@ -62,7 +71,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["checked_graphs"] = _total(session.config)
         return
-    floor = int(os.environ.get(MIN_CHECKED_ENV, "0"))
+    floor = session.config.stash[FLOOR]
     if _total(session.config) < floor and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -70,7 +79,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     if hasattr(config, "workeroutput"):
         return
-    floor = int(os.environ.get(MIN_CHECKED_ENV, "0"))
+    floor = config.stash[FLOOR]
     line = f"rewritten graphs checked against eager: {_total(config)}"
     if floor:
         line += f" (floor {floor}: {'met' if _total(config) >= floor else 'NOT MET, the run fails'})"

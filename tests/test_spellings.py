@@ -23,7 +23,7 @@ from harness.reference import (
     collective_counts,
     fused_op_count,
 )
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hcpasses.config import HCPassesConfig
@@ -58,9 +58,6 @@ def canonical_rewrites(spelling: BlockSpelling, dtype: torch.dtype) -> int:
     return collapse + quant
 
 
-# The cheapest graphs of the reliability budget (>= 1000 rewritten graphs checked per CI run, conftest.py):
-# one trace per example, one graph per rank, tp 4 drawn twice as often as 1 and 2.
-@settings(max_examples=2 * settings.default.max_examples)
 @given(data=st.data())
 def test_every_block_spelling_is_sharded_and_fused(data: st.DataObject, checked_graphs: CheckedGraphs) -> None:
     layers = data.draw(st.integers(1, 2), label="layers")
