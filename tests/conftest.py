@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 import pytest
-from harness.reference import CheckedGraphs
+from harness.tally import CheckedGraphs
 from hypothesis import HealthCheck, settings
 
 # 100 examples: the SP properties now run every example twice (SP and the SP-off reference) over a wider

@@ -14,13 +14,13 @@ from corpus.mhc_spelled import COLLAPSES, MHCSpelling, SpelledMHC
 from corpus.quants import QUANTS
 from harness import simulate
 from harness.reference import (
-    CheckedGraphs,
     assert_near_eager,
     assert_same_as_sp_off,
     capture_with_passes,
     collective_counts,
     fused_op_count,
 )
+from harness.tally import CheckedGraphs
 from hypothesis import given
 from hypothesis import strategies as st
 from test_spellings import token_counts

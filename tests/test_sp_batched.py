@@ -12,13 +12,13 @@ import pytest
 import torch
 from harness import simulate
 from harness.reference import (
-    CheckedGraphs,
     RankGraphs,
     assert_same_as_sp_off,
     capture_with_passes,
     collective_counts,
     fused_op_count,
 )
+from harness.tally import CheckedGraphs
 from harness.toy import BatchedHCModel
 from hypothesis import given
 from hypothesis import strategies as st

@@ -11,7 +11,6 @@ import pytest
 import torch
 from harness import simulate, simulate_compiled
 from harness.reference import (
-    CheckedGraphs,
     RankGraphs,
     assert_same_as_sp_off,
     capture_with_passes,
@@ -19,6 +18,7 @@ from harness.reference import (
     fused_op_count,
     sp_off,
 )
+from harness.tally import CheckedGraphs
 from hypothesis import given
 from hypothesis import strategies as st
 

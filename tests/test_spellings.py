@@ -16,13 +16,13 @@ from corpus.quants import QUANTS
 from corpus.spelled import COLLAPSES, BlockSpelling, SpelledHC
 from harness import simulate
 from harness.reference import (
-    CheckedGraphs,
     assert_near_eager,
     assert_same_as_sp_off,
     capture_with_passes,
     collective_counts,
     fused_op_count,
 )
+from harness.tally import CheckedGraphs
 from hypothesis import given
 from hypothesis import strategies as st
 
