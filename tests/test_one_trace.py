@@ -71,7 +71,7 @@ def assert_same_capture(shared: RankGraphs, per_rank: RankGraphs, tp: int) -> No
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def traced_graphs(capture: callable) -> tuple[RankGraphs, int]:
+def traced_graphs(capture: Callable[[], RankGraphs]) -> tuple[RankGraphs, int]:
     """The capture and how many graphs Dynamo traced for it."""
     counters.clear()
     graphs = capture()
