@@ -4,7 +4,7 @@
 Hypothesis draws, per block, the collapse and the sub-layer input quant (or none), and per model the dtype, tp
 (1, 2 or 4), the token layout (``[T]`` or ``[batch, seq]``) and T (1, below tp, ragged, a multiple of tp). Each
 example checks the exact counts of every pass in the graph and in the report, the SP graph against the same
-graph with SP off (bit-exact in bf16) and the model against eager.
+graph with SP off (exact but for last-bit roundings, which move at most one token row) and the model against eager.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject, c
     unsharded = sharded.sp_off()
     any_quant = any(block.quant is not None for block in blocks)
     for got, want_outputs in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
-        assert_same_as_sp_off(got, want_outputs, fp32_fp8=any_quant, eager=[expected])
+        assert_same_as_sp_off(got, want_outputs, fp8=any_quant, eager=[expected])
     for rank_outputs in outputs:
         assert_near_eager(rank_outputs[0], expected, dtype, any_quant)
     checked_graphs.add(sharded)

@@ -37,7 +37,7 @@ def run_sharded(build: Any, args: tuple[torch.Tensor, ...], tp: int) -> tuple[li
     outputs = simulate(graphs.graphs, graphs.inputs)
     unsharded = graphs.sp_off()
     for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
-        assert_same_as_sp_off(got, want, fp32_fp8=True)  # CFG: fp32 model, FP8 sub-layer inputs
+        assert_same_as_sp_off(got, want, fp8=True)  # CFG: fp32 model, FP8 sub-layer inputs
     assert fused_op_count(graphs.graphs[0]) == graphs.report.applied["gated_mean_quant"] > 0
     return outputs, graphs.report.record("sp_rewrite"), graphs.graphs[0]
 

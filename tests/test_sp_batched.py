@@ -106,7 +106,7 @@ def test_batched_streams_are_sharded_and_match_sp_off_and_eager(
     ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(seed))
     outputs = run(sharded, ids)
     for got, want in zip(outputs, run(unsharded, ids), strict=True):
-        assert_same_as_sp_off(got, want, fp32_fp8=fp8)  # the model is fp32
+        assert_same_as_sp_off(got, want, fp8=fp8)  # the model is fp32
     with torch.no_grad():
         expected = BatchedHCModel(model_config(fp8), mix, state)(ids)  # no process group: one device
     expected = expected if state else (expected,)

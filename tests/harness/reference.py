@@ -2,12 +2,15 @@
 
 The SP rewrite changes which token rows a rank computes, never how a row is computed. So its first
 reference is the *same* TP graph with SP off: the graph as the SP pass received it in the same compile
-(:class:`SnapshotBeforeSP`), on the same inputs and the same simulator. Every output must be
-bit-identical in bf16 / fp16. In fp32 a GEMM over R rows instead of T may block its sums differently on
-the CPU, which moves the last bits: there the bound is 1e-6 (absolute and relative). FP8 codes are
-computed from those values, so they are exact in bf16 models; an fp32 model with FP8 may flip a code
-whose input sits on a rounding boundary, which the 1e-6 bound on the outputs would show, so such a model
-gets the FP8 bound below. Eager single-device runs remain a second, looser check of the whole model.
+(:class:`SnapshotBeforeSP`), on the same inputs and the same simulator. The last bit of an fp32 value may
+still differ: a GEMM over R rows instead of T may block its sums differently on the CPU, and aten's CPU
+transcendentals (sigmoid, exp) round the same input differently in the vectorised loop and in its scalar
+tail, so the value depends on where a token's row sits in the tensor (measured: 78 of 4218 sigmoid values
+of a [38, 4] slice differ from the same values in the [149, 4] tensor). Such a last bit now and then flips
+a bf16 rounding or an FP8 code, which moves that token's row (only that row where no layer mixes tokens,
+as in the spelled corpora; through attention it would spread to later rows a little, and the check below
+would fail: not seen in any run so far). See :func:`assert_same_as_sp_off` for the bounds. Eager
+single-device runs remain a second, looser check of the whole model.
 """
 
 from __future__ import annotations
@@ -125,37 +128,45 @@ def assert_same_as_sp_off(
     sharded: Sequence[Any],
     unsharded: Sequence[Any],
     *,
-    fp32_fp8: bool = False,
+    fp8: bool = False,
     eager: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """One rank's outputs with SP against the same rank's outputs of the SP-off graph.
 
-    bf16 / fp16 / integer outputs: bit-identical. fp32: within 1e-6 of the SP-off value; with ``fp32_fp8``
-    (an fp32 model whose sub-layer inputs are FP8-quantised) a code on a rounding boundary may flip, moving a
-    sub-layer input by one e4m3 step, so the bound is the FP8 one (3e-2) and at most 1 % of the values (or,
-    in an output of few tokens, the values of one row: a flip moves its whole token) may exceed 1e-6. Given
-    the single-device ``eager`` outputs, the fp32 bound is the larger of 1e-6 and 4x the SP-off graph's own
-    distance from eager: fp32 GEMMs over R rows round differently from the same GEMMs over
-    T rows, and a model that amplifies rounding (a PLE conv after sharded HC blocks: measured 1.5e-5 between
-    SP and SP off where SP off is 2.6e-5 from eager) carries that last-bit difference into its outputs. A
-    wrong row or a lost reduce is O(1), far above either bound.
+    Integer outputs: equal. fp32 without FP8: within 1e-6 of the SP-off value, or, given the single-device
+    ``eager`` outputs, 4x the SP-off graph's own distance from eager where that is larger (a model that
+    amplifies rounding, a PLE conv after sharded HC blocks: measured 1.5e-5 between SP and SP off where SP
+    off is 2.6e-5 from eager). bf16 / fp16 outputs, and fp32 models whose sub-layer inputs are
+    FP8-quantised (``fp8``): a last-bit difference of an fp32 intermediate (module docstring) may flip a
+    bf16 rounding or an FP8 code, which moves one token's whole row (CI run: one of 149 rows, 11 values
+    by one bf16 step, bf16 mHC at tp 4). There every value is within 3e-2 (one e4m3 step) and at most one
+    row per output, or 1 % of the values, differs at all (fp32: beyond 1e-6). A wrong row, a lost or
+    doubled reduce moves many rows by O(1).
     """
     assert len(sharded) == len(unsharded), (len(sharded), len(unsharded))
     for index, (got, want) in enumerate(zip(sharded, unsharded, strict=True)):
         assert got.shape == want.shape and got.dtype == want.dtype, (index, got.shape, want.shape)
-        if got.dtype != torch.float32:
+        if not got.is_floating_point():
             assert torch.equal(got, want), f"output {index} ({got.dtype}) differs from SP off: {_worst(got, want)}"
-        elif not fp32_fp8:
+        elif got.dtype == torch.float32 and not fp8:
             noise = float((want - eager[index]).abs().max()) if eager is not None else 0.0
             bound = max(FP32_BOUND, 4 * noise)
             torch.testing.assert_close(got, want, rtol=FP32_BOUND, atol=bound, msg=f"output {index}")
         else:
-            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2, msg=f"output {index}")
-            off = (got - want).abs() > FP32_BOUND * (1 + want.abs())
-            rows_off = int(off.reshape(-1, off.shape[-1]).any(-1).sum()) if off.dim() else int(off)
-            assert float(off.float().mean()) <= 0.01 or rows_off <= 1, (
-                f"output {index}: {float(off.float().mean()):.3%} off, in {rows_off} rows"
-            )
+            _assert_flips_confined(got, want, index)
+
+
+def _assert_flips_confined(got: torch.Tensor, want: torch.Tensor, index: int) -> None:
+    """At most one row (or 1 % of the values) off, by at most one e4m3 step: see assert_same_as_sp_off."""
+    exact = FP32_BOUND if got.dtype == torch.float32 else 0.0
+    got, want = got.float(), want.float()
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2, msg=f"output {index}: {_worst(got, want)}")
+    off = (got - want).abs() > exact * (1 + want.abs())
+    rows_off = int(off.reshape(-1, off.shape[-1]).any(-1).sum()) if off.dim() else int(off)
+    assert float(off.float().mean()) <= 0.01 or rows_off <= 1, (
+        f"output {index}: {float(off.float().mean()):.3%} of the values off SP off, in {rows_off} rows: "
+        f"{_worst(got, want)}"
+    )
 
 
 def assert_near_eager(got: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype, fp8: bool) -> None:
@@ -168,7 +179,7 @@ def assert_near_eager(got: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype
     0.47, mean 0.030, in 14 of 41 rows (mHC, tp 4, one quantised block, logits of mean size 0.8; our
     rewritten graph gave the very same numbers). There no value may be beyond 1 and the mean difference beyond
     0.05 (1 + mean |eager|): a lost reduce or a wrong scale or form moves everything by O(1). The
-    SP-vs-SP-off check (bit-exact in bf16) is the sharp one for SP.
+    SP-vs-SP-off check (differences confined to one row) is the sharp one for SP.
     """
     got, eager = got.float(), eager.float()
     tol = {(torch.float32, False): 1e-4, (torch.float32, True): 3e-2}.get((dtype, fp8), 0.1)

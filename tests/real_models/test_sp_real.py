@@ -50,7 +50,7 @@ def test_sp_shards_every_hc_block_and_matches_one_device(family: str, fp8: bool,
     outputs = simulate(graphs.graphs, graphs.inputs)
     unsharded = graphs.sp_off()
     for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
-        assert_same_as_sp_off(got, want, fp32_fp8=fp8)  # the models are fp32
+        assert_same_as_sp_off(got, want, fp8=fp8)  # the models are fp32
     expected = logits(build(family, fp8), ids)
     for (actual,) in outputs:
         # fp32; FP8 codes can flip where the TP partial sums round differently (one e4m3 step)
