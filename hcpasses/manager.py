@@ -4,7 +4,7 @@ Installed as Inductor's ``post_grad_custom_pre_pass`` (not the post pass: on CUD
 already rewritten softmax to ``prepare_softmax_online`` there and HC patterns stop matching). For
 every graph Inductor compiles it runs each registered pass whose flag is on, in ``PIPELINE`` order:
 
-    snapshot -> pass.run -> verify (lint + fake shape re-propagation) -> [dump the diff]
+    snapshot -> pass.run -> verify (lint + fake shapes of what it touched) -> [dump the diff]
                    \\ raises or fails verification: restore the snapshot, record why
 
 A pass that fails is rolled back and recorded, never a crash and never a half-rewritten graph. The
@@ -37,7 +37,7 @@ from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.graph_pass import GraphPass
 from hcpasses.report import GraphReport, PassRecord
 from hcpasses.sp_rewrite import SPRewrite
-from hcpasses.verify import GraphVerificationError, restore_graph, snapshot_graph, verify_graph
+from hcpasses.verify import GraphVerificationError, graph_state, restore_graph, snapshot_graph, verify_graph
 
 log = logging.getLogger("hcpasses")
 
@@ -118,22 +118,22 @@ class PassManager(CustomGraphPass):
         graph_pass = self.passes.get(name)
         if graph_pass is None:
             return PassRecord(name, "unavailable", reason="no pass of this name is registered in this version")
-        before = graph_code(graph)
+        before = graph_state(graph)
+        code_before = graph_code(graph) if dump is not None else ""  # the text only for a dump: it is not cheap
         snapshot = snapshot_graph(graph)
         start = time.perf_counter()
         try:
             result = graph_pass.run(graph, self.config)
             seconds = time.perf_counter() - start  # the pass alone, not the checks
-            after = graph_code(graph)
+            changed = before.structure_differs(graph)
             # The report must be the graph's truth both ways: a count with no change, or a change with no
             # count, is a pass whose report cannot be trusted.
-            if after != before and not result.applied:
+            if changed and not result.applied:
                 raise GraphVerificationError("the pass changed the graph but reported 0 rewrites")
-            if after == before and result.applied:
+            if not changed and result.applied:
                 count = result.applied
                 raise GraphVerificationError(f"the pass reported {count} rewrite(s) but left the graph unchanged")
-            if after != before:
-                verify_graph(graph)  # an unchanged graph needs no check (and fake propagation is not cheap)
+            verify_graph(graph, since=before)  # runs again only what the pass touched (nothing: no cost)
         except Exception as err:  # a failing pass must never fail the compile: roll it back
             restore_graph(graph, snapshot)
             reason = f"rolled back: {type(err).__name__}: {err}"
@@ -143,6 +143,6 @@ class PassManager(CustomGraphPass):
         record = PassRecord(
             name, status, result.applied, seconds, result.reason, result.notes, facts=dict(result.facts)
         )
-        if after != before and dump is not None:
-            record.dump = dump.write_pass(order, name, before, after)
+        if changed and dump is not None:
+            record.dump = dump.write_pass(order, name, code_before, graph_code(graph))
         return record

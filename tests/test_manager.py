@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import hcpasses
 from hcpasses.backend import HCPassesBackend
@@ -20,6 +21,7 @@ from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import PassManager
+from hcpasses.verify import GraphVerificationError, graph_state, verify_graph
 
 aten = torch.ops.aten
 
@@ -84,6 +86,17 @@ class SilentChange(GraphPass):
 
     def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
         first_node(graph, aten.relu.default).target = aten.abs.default
+        return PassResult(applied=0, reason="nothing to do")
+
+
+class StaleValue(GraphPass):
+    """Changes no node, only the relu's recorded value (half the rows): the re-propagation must catch it."""
+
+    name = "sp_rewrite"
+
+    def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
+        relu = first_node(graph, aten.relu.default)
+        relu.meta["val"] = relu.meta["val"][:2]
         return PassResult(applied=0, reason="nothing to do")
 
 
@@ -166,6 +179,7 @@ def test_unchanged_pass_reports_its_reason() -> None:
     [
         (SwapReluForAbsThenRaise(), "RuntimeError: no HC block here to shard"),
         (BreakShapes(), "node"),
+        (StaleValue(), "node relu"),
         (SilentChange(), "changed the graph but reported 0 rewrites"),
         (CountWithoutChange(), "reported 3 rewrite(s) but left the graph unchanged"),
     ],
@@ -193,6 +207,26 @@ def test_verification_accepts_a_correct_rewrite_with_symbolic_shapes() -> None:
     torch.testing.assert_close(out, expected)
     assert be.reports[0].record("gated_mean_quant").status == "applied"
     assert be.reports[0].record("cleanup").status == "applied"
+
+
+def test_verification_reruns_only_what_a_pass_touched() -> None:
+    """Nodes a pass added or re-wired, and the users of a node with a new value; nothing for an unchanged graph."""
+    graph = make_fx(model, tracing_mode="fake")(*fresh_inputs()).graph
+    state = graph_state(graph)
+    assert state.touched(graph) == [] and not state.structure_differs(graph)
+    relu = first_node(graph, aten.relu.default)
+    with graph.inserting_after(relu):
+        dead = graph.call_function(aten.mul.Tensor, (relu, 3.0))
+    assert state.structure_differs(graph) and state.touched(graph) == [dead]
+    verify_graph(graph, since=state)  # runs the new node, so records its value
+    assert dead.meta["val"].shape == relu.meta["val"].shape
+    state = graph_state(graph)
+    relu.meta["val"] = relu.meta["val"][:2]  # a record that its inputs no longer give
+    assert not state.structure_differs(graph)
+    touched = state.touched(graph)  # in graph order
+    assert touched[0] is relu and set(touched) == {relu, *relu.users} and len(touched) == 3
+    with pytest.raises(GraphVerificationError, match="node relu"):
+        verify_graph(graph, since=state)
 
 
 def test_dumps_only_for_passes_that_changed_the_graph(tmp_path) -> None:
