@@ -1,10 +1,11 @@
 """Both passes on HC models whose blocks are each spelled another way (``tests/corpus/spelled.py``).
 
-Hypothesis draws, per HC block, the grouped norm, the stream collapse and the sub-layer input quant (or none),
-and per model the dtype, tp (1, 2 or 4), the layer count, where a non-row-local op sits (a causal conv over
-tokens before a layer, or none) and T (1, below tp, ragged, a multiple of tp, up to 300). Each example checks
-the exact counts of both passes in the graph and in the report, the SP graph against the same graph with SP
-off (exact but for last-bit roundings, which move at most one token row), and the whole model against eager.
+Hypothesis draws, per HC block, the grouped norm, the stream collapse and the sub-layer input quant (or none), and
+per model the dtype, tp (1, 2, 4 or 8; 8, the usual TP of one node, twice as often: one trace gives 8 graphs), the
+layer count, where a non-row-local op sits (a causal conv over tokens before a layer, or none) and T (1, below tp,
+ragged, a multiple of tp, up to 300). Each example checks the exact counts of both passes in the graph and in the
+report, the SP graph against the same graph with SP off (exact but for last-bit roundings, which move at most one
+token row), and the whole model against eager.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def test_every_block_spelling_is_sharded_and_fused(data: st.DataObject, checked_
     blocks = data.draw(st.lists(SPELLINGS, min_size=2 * layers, max_size=2 * layers), label="blocks")
     final = data.draw(SPELLINGS.map(lambda s: BlockSpelling(s.norm, s.collapse, None)), label="final")
     dtype = data.draw(st.sampled_from((torch.float32, torch.bfloat16)), label="dtype")
-    tp = data.draw(st.sampled_from((1, 2, 4, 4)), label="tp")
+    tp = data.draw(st.sampled_from((1, 2, 4, 8, 8)), label="tp")
     conv_layer = data.draw(st.sampled_from((None, *range(layers))), label="conv_layer")
     tokens = data.draw(token_counts(tp), label="tokens")
     seed = data.draw(st.integers(0, 2**16), label="seed")
