@@ -133,7 +133,7 @@ class PassManager(CustomGraphPass):
             if not changed and result.applied:
                 count = result.applied
                 raise GraphVerificationError(f"the pass reported {count} rewrite(s) but left the graph unchanged")
-            verify_graph(graph, since=before)  # runs again only what the pass touched (nothing: no cost)
+            verify_graph(graph, since=before)  # runs again only the nodes the pass touched
         except Exception as err:  # a failing pass must never fail the compile: roll it back
             restore_graph(graph, snapshot)
             reason = f"rolled back: {type(err).__name__}: {err}"

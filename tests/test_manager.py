@@ -227,6 +227,10 @@ def test_verification_reruns_only_what_a_pass_touched() -> None:
     assert touched[0] is relu and set(touched) == {relu, *relu.users} and len(touched) == 3
     with pytest.raises(GraphVerificationError, match="node relu"):
         verify_graph(graph, since=state)
+    relu.meta["val"] = state.nodes[relu][4]
+    state = graph_state(graph)
+    dead.next.append(dead)  # the same nodes in another order: a change of the program
+    assert state.structure_differs(graph) and state.touched(graph) == []
 
 
 def test_dumps_only_for_passes_that_changed_the_graph(tmp_path) -> None:

@@ -25,6 +25,16 @@ class Mutant:
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
+        name="verify_skips_users_of_new_values",
+        fault="the manager's verification runs again the nodes a pass touched but not the users of a new value",
+        file="hcpasses/verify.py",
+        old="""        changed.update(user for node in new_values for user in node.users)
+""",
+        new="""        del new_values  # "users read the same node, so they need no check"
+""",
+        tests=("tests/test_manager.py::test_verification_reruns_only_what_a_pass_touched",),
+    ),
+    Mutant(
         name="fusion_reports_but_restores",
         fault="the fusion pass counts and reports its matches, then puts the graph back as it was (nothing fused)",
         file="hcpasses/fusions/gated_mean_quant.py",
