@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import pytest
+import torch
 from harness.tally import CheckedGraphs
 from hypothesis import HealthCheck, settings
 
@@ -54,6 +55,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # Taken out of the environment: pytest runs that tests start in subprocesses (the Triton interpreter's)
     # check a few tests, not the suite, and must not inherit the suite's floor.
     config.stash[FLOOR] = int(os.environ.pop(MIN_CHECKED_ENV, "0"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One intra-op thread per xdist worker: the workers already fill the cores, and the simulator runs up to
+        # 8 rank threads whose ops would each start a thread pool of their own (oversubscribed, they spin).
+        torch.set_num_threads(1)
 
 
 def _total(config: pytest.Config) -> int:

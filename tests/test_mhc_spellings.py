@@ -10,6 +10,7 @@ which move at most one token row) and the model against eager.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from corpus.mhc_spelled import COLLAPSES, MHCSpelling, SpelledMHC
 from corpus.quants import QUANTS
@@ -47,6 +48,8 @@ def canonical_rewrites(collapse: str, quant: str | None, dtype: torch.dtype) -> 
     return per_collapse + per_quant
 
 
+# Up to 8 rank graphs per example: more than the suite's 600 s per test under the ci profile on 2 busy cores.
+@pytest.mark.timeout(1500)
 @given(data=st.data())
 def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject, checked_graphs: CheckedGraphs) -> None:
     blocks = data.draw(st.lists(SPELLINGS, min_size=1, max_size=3), label="blocks")

@@ -59,6 +59,8 @@ def canonical_rewrites(spelling: BlockSpelling, dtype: torch.dtype) -> int:
     return collapse + quant
 
 
+# Up to 8 rank graphs per example: more than the suite's 600 s per test under the ci profile on 2 busy cores.
+@pytest.mark.timeout(1500)
 @given(data=st.data())
 def test_every_block_spelling_is_sharded_and_fused(data: st.DataObject, checked_graphs: CheckedGraphs) -> None:
     layers = data.draw(st.integers(1, 2), label="layers")
