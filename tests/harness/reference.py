@@ -3,10 +3,10 @@
 The SP rewrite changes which token rows a rank computes, never how a row is computed. So its first
 reference is the *same* TP graph with SP off: the graph as the SP pass received it in the same compile
 (:class:`SnapshotBeforeSP`), on the same inputs and the same simulator. The last bit of an fp32 value may
-still differ: a GEMM over R rows instead of T may block its sums differently on the CPU, and aten's CPU
-transcendentals (sigmoid, exp) round the same input differently in the vectorised loop and in its scalar
-tail, so the value depends on where a token's row sits in the tensor (measured: 78 of 4218 sigmoid values
-of a [38, 4] slice differ from the same values in the [149, 4] tensor). Such a last bit now and then flips
+still differ: a GEMM over R rows instead of T may block its sums differently on the CPU, and aten's CPU sigmoid
+rounds the same input differently in its vectorised loop and in its scalar tail, so the value depends on
+where a token's row sits in the tensor (measured on AVX512: 78 of the 16,872 values of the 111 [38, 4]
+windows of a random [149, 4] tensor differ from the sigmoid of the whole tensor). Such a last bit now and then flips
 a bf16 rounding or an FP8 code, which moves that token's row (only that row where no layer mixes tokens,
 as in the spelled corpora; through attention it would spread to later rows a little, and the check below
 would fail: not seen in any run so far). See :func:`assert_same_as_sp_off` for the bounds. Eager
