@@ -16,7 +16,7 @@ from corpus.mhc_spelled import COLLAPSES, MHCSpelling, SpelledMHC
 from corpus.quants import QUANTS
 from harness import simulate
 from harness.reference import (
-    assert_near_eager,
+    assert_ranks_near_eager,
     assert_same_as_sp_off,
     capture_with_passes,
     collective_counts,
@@ -93,6 +93,5 @@ def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject, c
     any_quant = any(block.quant is not None for block in blocks)
     for got, want_outputs in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
         assert_same_as_sp_off(got, want_outputs, fp8=any_quant, eager=[expected])
-    for rank_outputs in outputs:
-        assert_near_eager(rank_outputs[0], expected, dtype, any_quant)
+    assert_ranks_near_eager(sharded, outputs, expected, dtype, any_quant)
     checked_graphs.add(sharded)

@@ -2,7 +2,7 @@
 
 The SP rewrite changes which token rows a rank computes, never how a row is computed. So its first
 reference is the *same* TP graph with SP off: the graph as the SP pass received it in the same compile
-(:class:`SnapshotBeforeSP`), on the same inputs and the same simulator. The last bit of an fp32 value may
+(:class:`Snapshot` of the SP pass), on the same inputs and the same simulator. The last bit of an fp32 value may
 still differ: a GEMM over R rows instead of T may block its sums differently on the CPU, and aten's CPU sigmoid
 rounds the same input differently in its vectorised loop and in its scalar tail, so the value depends on
 where a token's row sits in the tensor (measured on AVX512: 78 of the 16,872 values of the 111 [38, 4]
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from hcpasses.report import GraphReport
 from hcpasses.sp_rewrite import SPRewrite
 
 from .capture import RankDependentTrace, capture_ranks, capture_ranks_from_one_trace, copy_graph, count_calls
+from .simulator import simulate
 
 c10d = torch.ops._c10d_functional
 FUSED_OPS = (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)
@@ -48,6 +50,7 @@ class RankGraphs:
     reports: list[GraphReport]
     compiled: list[Callable[..., Any] | None]
     before_sp: list[torch.fx.GraphModule]  # each rank's graph as the SP pass received it
+    before_passes: list[torch.fx.GraphModule]  # each rank's graph as the first pass received it
 
     @property
     def report(self) -> GraphReport:
@@ -62,14 +65,19 @@ class RankGraphs:
         """
         return dataclasses.replace(self, graphs=self.before_sp, compiled=[None] * len(self.graphs))
 
+    def passes_off(self) -> RankGraphs:
+        """The same compile's graphs as the first pass received them: the TP graph with every pass off."""
+        if not self.before_passes:
+            raise ValueError("no graph before the passes was recorded: canonical_forms was off")
+        return dataclasses.replace(self, graphs=self.before_passes, compiled=[None] * len(self.graphs))
 
-class SnapshotBeforeSP(GraphPass):
-    """The SP pass, recording a copy of each graph it is given before it rewrites it."""
 
-    name = "sp_rewrite"
+class Snapshot(GraphPass):
+    """A pass, recording a copy of each graph it is given before it rewrites it (under the pass's name)."""
 
-    def __init__(self) -> None:
-        self.inner = SPRewrite()
+    def __init__(self, inner: GraphPass) -> None:
+        self.inner = inner
+        self.name = inner.name
         self.graphs: list[torch.fx.GraphModule] = []
 
     def run(self, graph: torch.fx.Graph, config: HCPassesConfig) -> PassResult:
@@ -94,10 +102,8 @@ def capture_with_passes(
     trace does not hold for another rank.
     """
     reports: list[GraphReport] = []
-    snapshot = SnapshotBeforeSP()
-    manager = PassManager(
-        config, reports.append, passes=(CanonicalForms(), GatedMeanQuantFusion(), snapshot, DeadCodeCleanup())
-    )
+    first, snapshot = Snapshot(CanonicalForms()), Snapshot(SPRewrite())
+    manager = PassManager(config, reports.append, passes=(first, GatedMeanQuantFusion(), snapshot, DeadCodeCleanup()))
     captures = None
     if one_trace:
         if capture_kwargs.pop("codegen", False):
@@ -116,6 +122,7 @@ def capture_with_passes(
         reports=reports,
         compiled=[c[0].compiled for c in captures],
         before_sp=[snapshot.graphs[r * per_rank] for r in range(tp)] if config.sp_rewrite else [],
+        before_passes=[first.graphs[r * per_rank] for r in range(tp)] if config.canonical_forms else [],
     )
 
 
@@ -169,7 +176,13 @@ def _assert_flips_confined(got: torch.Tensor, want: torch.Tensor, index: int) ->
     )
 
 
-def assert_near_eager(got: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype, fp8: bool) -> None:
+def assert_near_eager(
+    got: torch.Tensor,
+    eager: torch.Tensor,
+    dtype: torch.dtype,
+    fp8: bool,
+    tp_off: Callable[[], torch.Tensor] | None = None,
+) -> None:
     """A model output of a rewritten graph against single-device eager: the second, looser check.
 
     fp32: 1e-4 (3e-2 with FP8: one flipped code moves an input by one e4m3 step). bf16: 0.1, as eager rounds
@@ -178,17 +191,43 @@ def assert_near_eager(got: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype
     roundings (each rank's bf16 partial sums): the TP graph with every pass off differs from eager by up to
     0.47, mean 0.030, in 14 of 41 rows (mHC, tp 4, one quantised block, logits of mean size 0.8; our
     rewritten graph gave the very same numbers). There no value may be beyond 1 and the mean difference beyond
-    0.05 (1 + mean |eager|): a lost reduce or a wrong scale or form moves everything by O(1). The
-    SP-vs-SP-off check (differences confined to one row) is the sharp one for SP.
+    0.05 (1 + mean |eager|): a lost reduce or a wrong scale or form moves everything by O(1). With one or
+    two tokens that mean is a single row's, not an average over rows: CI run, mHC bf16 at tp 2, T = 1, three
+    blocks: the TP graph with every pass off was 0.167 from eager (max 0.50), and so, to the bit, was the
+    rewritten graph. So where the bounds fail, ``tp_off`` (the same rank's output of the TP graph with every
+    pass off, :meth:`RankGraphs.passes_off`) is run and both bounds grow by its own distance from eager: the
+    passes may not add more than the bounds to what TP alone does. The SP-vs-SP-off check (differences
+    confined to one row) is the sharp one for SP.
     """
     got, eager = got.float(), eager.float()
     tol = {(torch.float32, False): 1e-4, (torch.float32, True): 3e-2}.get((dtype, fp8), 0.1)
     if dtype == torch.float32 or not fp8:
         torch.testing.assert_close(got, eager, rtol=tol, atol=tol)
         return
-    torch.testing.assert_close(got, eager, rtol=0.0, atol=1.0)
-    mean, bound = float((got - eager).abs().mean()), 0.05 * (1 + float(eager.abs().mean()))
-    assert mean <= bound, f"mean |difference| {mean:.4f} > {bound:.4f}"
+    bound = 0.05 * (1 + float(eager.abs().mean()))
+    diff = (got - eager).abs()
+    if float(diff.max()) <= 1.0 and float(diff.mean()) <= bound:
+        return
+    tp_diff = (tp_off().float() - eager).abs() if tp_off is not None else torch.zeros(())
+    assert float(diff.max()) <= 1.0 + float(tp_diff.max()), (
+        f"max |difference| {float(diff.max()):.4f} > 1 + {float(tp_diff.max()):.4f} (TP with every pass off)"
+    )
+    assert float(diff.mean()) <= bound + float(tp_diff.mean()), (
+        f"mean |difference| {float(diff.mean()):.4f} > {bound:.4f} + {float(tp_diff.mean()):.4f} "
+        "(TP with every pass off)"
+    )
+
+
+def assert_ranks_near_eager(
+    sharded: RankGraphs, outputs: Sequence[Sequence[Any]], eager: torch.Tensor, dtype: torch.dtype, fp8: bool
+) -> None:
+    """:func:`assert_near_eager` on every rank's first output; the TP graph with every pass off runs only
+    where a bound fails."""
+    off = sharded.passes_off() if sharded.before_passes else None
+    tp_off = functools.cache(lambda: simulate(off.graphs, off.inputs)) if off is not None else None
+    for rank, rank_outputs in enumerate(outputs):
+        rank_off = (lambda rank=rank: tp_off()[rank][0]) if tp_off is not None else None
+        assert_near_eager(rank_outputs[0], eager, dtype, fp8, tp_off=rank_off)
 
 
 def _worst(got: torch.Tensor, want: torch.Tensor) -> str:
