@@ -50,7 +50,7 @@ class RankGraphs:
     reports: list[GraphReport]
     compiled: list[Callable[..., Any] | None]
     before_sp: list[torch.fx.GraphModule]  # each rank's graph as the SP pass received it
-    before_passes: list[torch.fx.GraphModule]  # each rank's graph as the first pass received it
+    recapture_passes_off: Callable[[], RankGraphs]  # the same capture with every pass off
 
     @property
     def report(self) -> GraphReport:
@@ -66,10 +66,9 @@ class RankGraphs:
         return dataclasses.replace(self, graphs=self.before_sp, compiled=[None] * len(self.graphs))
 
     def passes_off(self) -> RankGraphs:
-        """The same compile's graphs as the first pass received them: the TP graph with every pass off."""
-        if not self.before_passes:
-            raise ValueError("no graph before the passes was recorded: canonical_forms was off")
-        return dataclasses.replace(self, graphs=self.before_passes, compiled=[None] * len(self.graphs))
+        """The TP graph with every pass off: the same model and inputs captured again (a trace; the graph
+        before the passes is not kept, as a copy per rank would cost every example what few need)."""
+        return self.recapture_passes_off()
 
 
 class Snapshot(GraphPass):
@@ -101,9 +100,14 @@ def capture_with_passes(
     (:func:`capture_ranks_from_one_trace`; no codegen), or captures per rank where Dynamo finds that rank 0's
     trace does not hold for another rank.
     """
+    recapture_passes_off = functools.partial(
+        capture_with_passes, build_fn, args_fn, tp, every_pass_off(config), one_trace=one_trace, **capture_kwargs
+    )
     reports: list[GraphReport] = []
-    first, snapshot = Snapshot(CanonicalForms()), Snapshot(SPRewrite())
-    manager = PassManager(config, reports.append, passes=(first, GatedMeanQuantFusion(), snapshot, DeadCodeCleanup()))
+    snapshot = Snapshot(SPRewrite())
+    manager = PassManager(
+        config, reports.append, passes=(CanonicalForms(), GatedMeanQuantFusion(), snapshot, DeadCodeCleanup())
+    )
     captures = None
     if one_trace:
         if capture_kwargs.pop("codegen", False):
@@ -122,13 +126,18 @@ def capture_with_passes(
         reports=reports,
         compiled=[c[0].compiled for c in captures],
         before_sp=[snapshot.graphs[r * per_rank] for r in range(tp)] if config.sp_rewrite else [],
-        before_passes=[first.graphs[r * per_rank] for r in range(tp)] if config.canonical_forms else [],
+        recapture_passes_off=recapture_passes_off,
     )
 
 
 def sp_off(config: HCPassesConfig) -> HCPassesConfig:
     """The same configuration with the SP rewrite off: the TP graph SP is compared against."""
     return dataclasses.replace(config, sp_rewrite=False)
+
+
+def every_pass_off(config: HCPassesConfig) -> HCPassesConfig:
+    """The same configuration with every pass off: the plain TP graph."""
+    return dataclasses.replace(config, canonical_forms=False, cleanup=False, gated_mean_quant=False, sp_rewrite=False)
 
 
 def assert_same_as_sp_off(
@@ -221,13 +230,16 @@ def assert_near_eager(
 def assert_ranks_near_eager(
     sharded: RankGraphs, outputs: Sequence[Sequence[Any]], eager: torch.Tensor, dtype: torch.dtype, fp8: bool
 ) -> None:
-    """:func:`assert_near_eager` on every rank's first output; the TP graph with every pass off runs only
-    where a bound fails."""
-    off = sharded.passes_off() if sharded.before_passes else None
-    tp_off = functools.cache(lambda: simulate(off.graphs, off.inputs)) if off is not None else None
+    """:func:`assert_near_eager` on every rank's first output; the TP graph with every pass off is captured
+    and run only where a bound fails."""
+
+    @functools.cache
+    def tp_off_outputs() -> list[list[Any]]:
+        off = sharded.passes_off()
+        return simulate(off.graphs, off.inputs)
+
     for rank, rank_outputs in enumerate(outputs):
-        rank_off = (lambda rank=rank: tp_off()[rank][0]) if tp_off is not None else None
-        assert_near_eager(rank_outputs[0], eager, dtype, fp8, tp_off=rank_off)
+        assert_near_eager(rank_outputs[0], eager, dtype, fp8, tp_off=lambda rank=rank: tp_off_outputs()[rank][0])
 
 
 def _worst(got: torch.Tensor, want: torch.Tensor) -> str:
