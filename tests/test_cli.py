@@ -31,6 +31,19 @@ def test_string_backend_without_import() -> None:
     assert "'cleanup': 0" in proc.stdout
 
 
+def test_library_imports_without_the_reference_models() -> None:
+    """``hcpasses`` (and ``hcpasses.hf`` with its FP8 swap and TP sharding) must work where only the package is
+    installed: none of it may import ``models`` (the demo does, lazily, inside its functions)."""
+    code = (
+        "import sys\n"
+        "import hcpasses, hcpasses.fp8, hcpasses.hf, hcpasses.hf.fp8_swap, hcpasses.hf.tp_shard, hcpasses.demo\n"
+        "print(sorted(m for m in sys.modules if m == 'models' or m.startswith('models.')))\n"
+    )
+    proc = run_python("-c", code, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 def test_demo_runs_at_tp2_and_matches_eager(tmp_path) -> None:
     proc = run_python("-m", "hcpasses", "demo", "--dump-dir", str(tmp_path), "--tokens", "17", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -4,7 +4,7 @@ PTPC-FP8 checkpoints (per-token activation scales, per-channel weight scales) qu
 input x once per token in front of its input projections. In an HC model x is the HC block's collapse
 (qwen4_exp: the gated mean; deepseek_v4: the mHC collapse, then the sub-layer's RMSNorm), so after the
 swap the compiled graph holds the collapse -> per-token quant chain that the ``gated_mean_quant`` fusion
-matches. The quant is ``models.fp8.quantize_per_token``, whose constants (448, 1/(448*512)) are literals
+matches. The quant is ``hcpasses.fp8.quantize_per_token``, whose constants (448, 1/(448*512)) are literals
 so that the pattern still matches under dynamic shapes.
 
     model = tiny_qwen4_exp()
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.fp8 import Fp8Linear
+from hcpasses.fp8 import Fp8Linear
 
 LinearSelector = Callable[[str, nn.Linear], bool]
 
@@ -39,7 +39,7 @@ SUBLAYER_INPUT_PROJECTIONS = re.compile(
 
 
 class Fp8LinearWithBias(Fp8Linear):
-    """:class:`~models.fp8.Fp8Linear` plus the original layer's bias, added in x's dtype."""
+    """:class:`~hcpasses.fp8.Fp8Linear` plus the original layer's bias, added in x's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
         super().__init__(weight)

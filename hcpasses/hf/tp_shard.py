@@ -22,7 +22,7 @@ What is split, per sub-layer (rank r of tp keeps the r-th contiguous slice of he
   intermediate dim; the shared expert's gate / up rows and down columns. The routed and shared partial
   outputs are added before the single all-reduce of the MoE block's output.
 
-Works on ``nn.Linear`` and on column-parallel :class:`~models.fp8.Fp8Linear` (after ``swap_fp8_linears``):
+Works on ``nn.Linear`` and on column-parallel :class:`~hcpasses.fp8.Fp8Linear` (after ``swap_fp8_linears``):
 quantising per output channel commutes with a column split. A row-parallel projection must be a plain
 ``nn.Linear``.
 """
@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from models.fp8 import Fp8Linear
-from models.tp import resolve_tp
+from hcpasses.fp8 import Fp8Linear
+from hcpasses.tp import resolve_tp
 
 HeadLayout = Sequence[tuple[int, int]]  # (number of heads, rows per head) for each part of a fused output
 
@@ -69,7 +69,7 @@ def shard_for_tp(model: nn.Module, tp_rank: int | None = None, tp_size: int | No
 
 
 def _resolve_tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
-    """The explicit rank and size, or the default process group's (``models.tp.resolve_tp``); unlike the
+    """The explicit rank and size, or the default process group's (``hcpasses.tp.resolve_tp``); unlike the
     models, which run unsharded without a group, sharding without either is an error."""
     if (tp_rank is None or tp_size is None) and not dist.is_initialized():
         raise ValueError("pass tp_rank and tp_size, or initialise the default process group first")

@@ -77,7 +77,7 @@ def _ieee_div(a: torch.Tensor, divisor: float) -> torch.Tensor:
 def quant_epilogue_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8 quant of ``x [T, K]``: ``(q float8_e4m3fn [T, K], scale fp32 [T, 1])``.
 
-    The convention of :func:`models.fp8.quantize_per_token`, with IEEE division on every device.
+    The convention of :func:`hcpasses.fp8.quantize_per_token`, with IEEE division on every device.
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)

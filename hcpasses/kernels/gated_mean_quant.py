@@ -7,7 +7,7 @@ is columns ``s*S:(s+1)*S``) and return ``(x [T, S] in the input dtype, q float8_
 float32 [T, 1])``.
 
 Rounding convention (ATOM's): fp32 inside, the streams summed in fixed order s = 0..n-1, x rounded once
-to the activation dtype; then the quant of :func:`models.fp8.quantize_per_token` on that rounded x:
+to the activation dtype; then the quant of :func:`hcpasses.fp8.quantize_per_token` on that rounded x:
 ``scale = max(amax / 448, 1 / (448 * 512))``, ``q = clamp(x / scale, ±448)`` cast with round-to-nearest-
 even. Every division is IEEE-rounded on every device, so q and scale are a function of x alone.
 
