@@ -2,7 +2,7 @@
 (``tests/corpus/mhc_spelled.py``: transformers, DeepSeek's reference, an MLX port, a batched matmul, an einsum).
 
 Hypothesis draws, per block, the collapse and the sub-layer input quant (or none), and per model the dtype, tp (1,
-2, 4 or 8; 8, the usual TP of one node, twice as often: one trace gives 8 graphs), the token layout (``[T]`` or
+2, 4 or 8; 8, the usual TP of one node, three times as often: one trace gives 8 graphs), the token layout (``[T]`` or
 ``[batch, seq]``) and T (1, below tp, ragged, a multiple of tp). Each example checks the exact counts of every pass
 in the graph and in the report, the SP graph against the same graph with SP off (exact but for last-bit roundings,
 which move at most one token row) and the model against eager.
@@ -25,7 +25,7 @@ from harness.reference import (
 from harness.tally import CheckedGraphs
 from hypothesis import given
 from hypothesis import strategies as st
-from test_spellings import token_counts
+from test_spellings import SPELLING_SETTINGS, SPELLING_TPS, token_counts
 
 from hcpasses.config import HCPassesConfig
 
@@ -48,14 +48,14 @@ def canonical_rewrites(collapse: str, quant: str | None, dtype: torch.dtype) -> 
     return per_collapse + per_quant
 
 
-# Up to 8 rank graphs per example: more than the suite's 600 s per test under the ci profile on 2 busy cores.
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(1500)  # see SPELLING_SETTINGS
+@SPELLING_SETTINGS
 @given(data=st.data())
 def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject, checked_graphs: CheckedGraphs) -> None:
     blocks = data.draw(st.lists(SPELLINGS, min_size=1, max_size=3), label="blocks")
     final = data.draw(st.sampled_from(list(COLLAPSES)), label="final")
     dtype = data.draw(st.sampled_from((torch.float32, torch.bfloat16)), label="dtype")
-    tp = data.draw(st.sampled_from((1, 2, 4, 8, 8)), label="tp")
+    tp = data.draw(SPELLING_TPS, label="tp")
     batch = data.draw(st.sampled_from((None, 1, 2)), label="batch")  # None: tokens [T], else [batch, seq]
     tokens = data.draw(token_counts(tp), label="tokens")
     seed = data.draw(st.integers(0, 2**16), label="seed")

@@ -205,13 +205,20 @@ def assert_near_eager(
     blocks: the TP graph with every pass off was 0.167 from eager (max 0.50), and so, to the bit, was the
     rewritten graph. So where the bounds fail, ``tp_off`` (the same rank's output of the TP graph with every
     pass off, :meth:`RankGraphs.passes_off`) is run and both bounds grow by its own distance from eager: the
-    passes may not add more than the bounds to what TP alone does. The SP-vs-SP-off check (differences
+    passes may not add more than the bounds to what TP alone does. bf16 without FP8 at tp 8 also exceeds 0.1
+    through TP alone (CI-profile run, mHC, three blocks, T = 148: 4 of 9472 logits up to 0.129 from eager,
+    with every pass off as with them); there, where eager's bound fails, the output must be within the same
+    bound of the TP graph with every pass off. The SP-vs-SP-off check (differences
     confined to one row) is the sharp one for SP.
     """
     got, eager = got.float(), eager.float()
     tol = {(torch.float32, False): 1e-4, (torch.float32, True): 3e-2}.get((dtype, fp8), 0.1)
     if dtype == torch.float32 or not fp8:
-        torch.testing.assert_close(got, eager, rtol=tol, atol=tol)
+        if tp_off is None or torch.allclose(got, eager, rtol=tol, atol=tol):
+            torch.testing.assert_close(got, eager, rtol=tol, atol=tol)
+            return
+        # TP's own roundings beyond the bound (see above): the passes are held to it against the TP graph.
+        torch.testing.assert_close(got, tp_off().float(), rtol=tol, atol=tol, msg=lambda m: f"{m} (vs TP, passes off)")
         return
     bound = 0.05 * (1 + float(eager.abs().mean()))
     diff = (got - eager).abs()
