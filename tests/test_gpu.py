@@ -206,3 +206,46 @@ def test_mhc_spellings_fuse_and_count_exactly_on_cuda(dtype: torch.dtype, shape:
         inductor = torch.compile(model)(ids)
     own = (inductor.float() - expected.float()).abs().max().item()
     assert (out.float() - expected.float()).abs().max().item() <= 1.5 * own + 0.1, own
+
+
+# Real-size transformers models (hcpasses.hf.real), FP8 sub-layer inputs, one GPU (tp = 1): the builders run on
+# CUDA (grouped_mm experts), the graph compiles, the report counts the model's HC collapses exactly and the
+# logits match eager. qwen4_exp as in the issue's set-up (3 GatedDeltaNet layers, PLE in layer 2; the QSA layer
+# breaks the graph per query, see tests/real_models/test_compile.py); deepseek_v4's first real layer.
+REAL_SIZE = {
+    "qwen4_exp": ({"num_layers": 3, "layer_types": ["linear_attention"] * 3}, 7, 3),
+    "deepseek_v4": ({"num_layers": 1}, 3, 0),
+}
+
+
+@pytest.mark.parametrize("family", list(REAL_SIZE))
+def test_real_size_models_compile_and_count_exactly_on_cuda(family: str) -> None:
+    pytest.importorskip("transformers.models.qwen4_exp", reason="needs transformers >= 5.24 (carry the wheel)")
+    from hcpasses.hf import real_deepseek_v4, real_qwen4_exp, swap_fp8_linears
+
+    kwargs, collapses, fused = REAL_SIZE[family]
+    build = {"qwen4_exp": real_qwen4_exp, "deepseek_v4": real_deepseek_v4}[family]
+    model = build(device="cuda", **kwargs)
+    assert model.config._experts_implementation == "grouped_mm"
+    swap_fp8_linears(model)
+    ids = torch.randint(0, 32768, (1, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    be = hcpasses.backend()
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        expected = model(ids).logits
+        torch._dynamo.reset()
+        inductor = torch.compile(model)(ids).logits
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=be)(ids).logits
+    [report] = be.reports
+    fusion = report.record("gated_mean_quant")
+    assert fusion.notes[0] == f"HC stream collapses found: {collapses}", report
+    assert fusion.applied == fused, report
+    # bf16 with FP8 inputs at real width: a changed rounding flips FP8 codes and then MoE routes, so compiled
+    # logits are a few % from eager with or without the passes; held to plain Inductor's own distance.
+    error, inductor_error = relative_error(out, expected), relative_error(inductor, expected)
+    assert torch.isfinite(out).all() and error <= max(2e-2, 1.25 * inductor_error), (error, inductor_error)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|actual - expected| / |expected|`` over the whole tensor (Frobenius), in fp32."""
+    return float((actual.float() - expected.float()).norm() / expected.float().norm())

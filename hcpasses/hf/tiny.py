@@ -110,28 +110,45 @@ DEEPSEEK_V4_TINY: dict[str, Any] = {
 def tiny_qwen4_exp(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> Qwen4ExpForCausalLM:
     """A tiny ``Qwen4ExpForCausalLM`` (text only) in eval mode; ``overrides`` replace config fields."""
     config = Qwen4ExpTextConfig(**{**QWEN4_EXP_TINY, **overrides})
-    return _build(Qwen4ExpForCausalLM, config, dtype, seed, attn_implementation="sdpa")
+    return build_model(Qwen4ExpForCausalLM, config, dtype, seed, "sdpa", via_fp32=True)
 
 
 def tiny_deepseek_v4(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> DeepseekV4ForCausalLM:
     """A tiny ``DeepseekV4ForCausalLM`` in eval mode; ``overrides`` replace config fields."""
     config = DeepseekV4Config(**{**DEEPSEEK_V4_TINY, **overrides})
-    return _build(DeepseekV4ForCausalLM, config, dtype, seed, attn_implementation="eager")
+    return build_model(DeepseekV4ForCausalLM, config, dtype, seed, "eager", via_fp32=True)
 
 
-def _build(cls: type[PreTrainedModel], config: Any, dtype: torch.dtype, seed: int, attn_implementation: str) -> Any:
-    """Build ``cls`` from ``config`` in fp32 under ``seed``, re-draw constant weights, cast to ``dtype``."""
-    # fork_rng: the caller's global RNG stream is left as it was.
-    with torch.random.fork_rng(devices=[]):
+def build_model(
+    cls: type[PreTrainedModel],
+    config: Any,
+    dtype: torch.dtype,
+    seed: int,
+    attn_implementation: str,
+    *,
+    device: str | torch.device = "cpu",
+    experts: str = "batched_mm",
+    via_fp32: bool = False,
+) -> Any:
+    """Build ``cls`` from ``config`` on ``device`` under ``seed``, re-draw constant weights, in eval mode.
+
+    ``via_fp32``: build in fp32 and cast to ``dtype`` (a bf16 model is the fp32 model cast); otherwise
+    build in ``dtype`` directly. ``device="meta"``: the structure only (nothing to re-draw).
+    """
+    device = torch.device(device)
+    # fork_rng: the caller's global RNG streams (CPU, and the device's) are left as they were.
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = cls._from_config(
             config,
-            dtype=torch.float32,
+            dtype=torch.float32 if via_fp32 else dtype,
             attn_implementation=attn_implementation,
-            experts_implementation="batched_mm",
+            experts_implementation=experts,
         )
-        _redraw_constant_init(model)
-    _cast_parameters(model, dtype)
+        if device.type != "meta":
+            _redraw_constant_init(model)
+    if via_fp32:
+        _cast_parameters(model, dtype)
     return model.eval()
 
 
