@@ -208,8 +208,8 @@ def assert_near_eager(
     passes may not add more than the bounds to what TP alone does. bf16 without FP8 at tp 8 also exceeds 0.1
     through TP alone (CI-profile run, mHC, three blocks, T = 148: 4 of 9472 logits up to 0.129 from eager,
     with every pass off as with them); there, where eager's bound fails, the output must be within the same
-    bound of the TP graph with every pass off. The SP-vs-SP-off check (differences
-    confined to one row) is the sharp one for SP.
+    bound of the TP graph with every pass off. The SP-vs-SP-off check (differences confined to one row) is
+    the sharp one for SP.
     """
     got, eager = got.float(), eager.float()
     tol = {(torch.float32, False): 1e-4, (torch.float32, True): 3e-2}.get((dtype, fp8), 0.1)
