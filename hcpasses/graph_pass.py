@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch.fx as fx
 
 from hcpasses.config import HCPassesConfig
+
+if TYPE_CHECKING:
+    from hcpasses.verify import GraphState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +29,15 @@ class PassResult:
         reason: why nothing (or not everything) was rewritten; ``None`` when there is nothing to say.
         notes: facts worth showing in the report (what was found, where a region starts and ends).
         facts: machine-readable facts for the backend (e.g. the symbolic token count SP sharded over).
+        propagated: the graph's state right after the pass re-propagated every fake value
+            (``hcpasses.verify.refresh_fake_values``), if it did: the manager verifies only what changed since.
     """
 
     applied: int
     reason: str | None = None
     notes: tuple[str, ...] = ()
     facts: dict[str, str] = dataclasses.field(default_factory=dict)
+    propagated: GraphState | None = None
 
 
 class GraphPass(abc.ABC):

@@ -4,8 +4,8 @@ Installed as Inductor's ``post_grad_custom_pre_pass`` (not the post pass: on CUD
 already rewritten softmax to ``prepare_softmax_online`` there and HC patterns stop matching). For
 every graph Inductor compiles it runs each registered pass whose flag is on, in ``PIPELINE`` order:
 
-    snapshot -> pass.run -> verify (lint + fake shapes of what it touched) -> [dump the diff]
-                   \\ raises or fails verification: restore the snapshot, record why
+    state -> pass.run -> verify (lint + fake shapes of what it touched) -> [dump the diff]
+                \\ raises or fails verification: restore the state, record why
 
 A pass that fails is rolled back and recorded, never a crash and never a half-rewritten graph. The
 report of each graph goes to ``on_report`` (the backend's ``reports`` list).
@@ -37,7 +37,7 @@ from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.graph_pass import GraphPass
 from hcpasses.report import GraphReport, PassRecord
 from hcpasses.sp_rewrite import SPRewrite
-from hcpasses.verify import GraphVerificationError, graph_state, restore_graph, snapshot_graph, verify_graph
+from hcpasses.verify import GraphVerificationError, graph_state, restore_graph, verify_graph
 
 log = logging.getLogger("hcpasses")
 
@@ -120,7 +120,6 @@ class PassManager(CustomGraphPass):
             return PassRecord(name, "unavailable", reason="no pass of this name is registered in this version")
         before = graph_state(graph)
         code_before = graph_code(graph) if dump is not None else ""  # the text only for a dump: it is not cheap
-        snapshot = snapshot_graph(graph)
         start = time.perf_counter()
         try:
             result = graph_pass.run(graph, self.config)
@@ -133,9 +132,10 @@ class PassManager(CustomGraphPass):
             if not changed and result.applied:
                 count = result.applied
                 raise GraphVerificationError(f"the pass reported {count} rewrite(s) but left the graph unchanged")
-            verify_graph(graph, since=before)  # runs again only the nodes the pass touched
+            # Runs again only the nodes the pass touched (since its last full propagation, if it made one).
+            verify_graph(graph, since=result.propagated or before)
         except Exception as err:  # a failing pass must never fail the compile: roll it back
-            restore_graph(graph, snapshot)
+            restore_graph(graph, before)
             reason = f"rolled back: {type(err).__name__}: {err}"
             log.warning("hcpasses pass %s %s", name, reason)
             return PassRecord(name, "rolled_back", seconds=time.perf_counter() - start, reason=reason)

@@ -95,9 +95,11 @@ class SPRewrite(GraphPass):
             return PassResult(0, f"T={tokens} < sp_min_tokens={config.sp_min_tokens}", tuple(notes))
         gathered: list[str] = []
         streams: list[str] = []
+        propagated = None
         for region in plan.regions:  # in graph order; the regions share no node
             rewriter = RegionRewriter(graph, region, tokens, rank, tp)
             exits = rewriter.apply()
+            propagated = rewriter.propagated
             gathered += exits
             streams += [name for name in exits if name in rewriter.stream_wide]
             notes += [
@@ -120,4 +122,4 @@ class SPRewrite(GraphPass):
         facts: dict[str, Any] = {"streams_gathered": len(streams), "entries_sharded": entries, "cuts": len(plan.cuts)}
         if not isinstance(tokens, int):
             facts["symbolic_tokens"] = str(tokens)
-        return PassResult(sharded, None, tuple(notes), facts)
+        return PassResult(sharded, None, tuple(notes), facts, propagated)

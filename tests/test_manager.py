@@ -21,7 +21,7 @@ from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import PassManager
-from hcpasses.verify import GraphVerificationError, graph_state, verify_graph
+from hcpasses.verify import GraphVerificationError, graph_state, refresh_fake_values, restore_graph, verify_graph
 
 aten = torch.ops.aten
 
@@ -98,6 +98,18 @@ class StaleValue(GraphPass):
         relu = first_node(graph, aten.relu.default)
         relu.meta["val"] = relu.meta["val"][:2]
         return PassResult(applied=0, reason="nothing to do")
+
+
+class PropagateThenBreakShapes(GraphPass):
+    """Re-propagates every fake value and hands the manager that state, then feeds half the rows into the add:
+    a change after the propagation, which the verification must still run."""
+
+    name = "sp_rewrite"
+
+    def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
+        propagated = refresh_fake_values(graph)
+        BreakShapes().run(graph, config)
+        return PassResult(applied=1, propagated=propagated)
 
 
 class CountWithoutChange(GraphPass):
@@ -180,6 +192,7 @@ def test_unchanged_pass_reports_its_reason() -> None:
         (SwapReluForAbsThenRaise(), "RuntimeError: no HC block here to shard"),
         (BreakShapes(), "node"),
         (StaleValue(), "node relu"),
+        (PropagateThenBreakShapes(), "node"),
         (SilentChange(), "changed the graph but reported 0 rewrites"),
         (CountWithoutChange(), "reported 3 rewrite(s) but left the graph unchanged"),
     ],
@@ -231,6 +244,34 @@ def test_verification_reruns_only_what_a_pass_touched() -> None:
     state = graph_state(graph)
     dead.next.append(dead)  # the same nodes in another order: a change of the program
     assert state.structure_differs(graph) and state.touched(graph) == []
+
+
+def test_restore_graph_undoes_erased_rewired_new_and_retargeted_nodes() -> None:
+    graph = make_fx(model, tracing_mode="fake")(*fresh_inputs()).graph
+    program, placeholders = node_program(graph), [n for n in graph.nodes if n.op == "placeholder"]
+    values = [n.meta.get("val") for n in graph.nodes]
+    state = graph_state(graph)
+    relu = first_node(graph, aten.relu.default)
+    with graph.inserting_after(relu):
+        neg = graph.call_function(aten.neg.default, (relu,))
+    relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
+    first_node(graph, aten.mm.default).target = aten.bmm.default
+    relu.meta["val"] = None
+    mul = first_node(graph, aten.mul.Tensor)
+    first_node(graph, aten.add.Tensor).replace_input_with(mul, neg)
+    graph.erase_node(mul)
+    assert node_program(graph) != program
+    restore_graph(graph, state)
+    graph.lint()
+    assert node_program(graph) == program  # restored nodes are new objects, their names may take a suffix
+    assert [n for n in graph.nodes if n.op == "placeholder"] == placeholders  # the very same input nodes
+    assert all(n.meta.get("val") is value for n, value in zip(graph.nodes, values, strict=True))
+
+
+def node_program(graph: fx.Graph) -> list[tuple[object, ...]]:
+    """Each node's op, target and arguments, nodes written as their positions: the program without names."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    return [(n.op, n.target, fx.map_arg((n.args, n.kwargs), position.__getitem__)) for n in graph.nodes]
 
 
 def test_dumps_only_for_passes_that_changed_the_graph(tmp_path) -> None:

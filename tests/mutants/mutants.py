@@ -40,11 +40,11 @@ MUTANTS: tuple[Mutant, ...] = (
         file="hcpasses/fusions/gated_mean_quant.py",
         old="""        fused = self._fuser.apply(graph)
 """,
-        new="""        from hcpasses.verify import restore_graph, snapshot_graph
+        new="""        from hcpasses.verify import graph_state, restore_graph
 
-        snapshot = snapshot_graph(graph)
+        state = graph_state(graph)
         fused = self._fuser.apply(graph)
-        restore_graph(graph, snapshot)  # a dry run left in: the matches are counted, the rewrite undone
+        restore_graph(graph, state)  # a dry run left in: the matches are counted, the rewrite undone
 """,
         tests=(
             "tests/test_mutant_killers.py::test_fused_op_is_in_the_graph_and_the_graph_computes_the_op",
