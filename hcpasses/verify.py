@@ -158,8 +158,9 @@ def verify_graph(graph: fx.Graph, since: GraphState | None = None) -> None:
         _propagate(graph, overwrite=False)
 
 
-def _rerun(graph: fx.Graph, nodes: list[fx.Node]) -> bool:
-    """Run ``nodes`` again on their inputs' recorded fake values, checking (or filling in) each result.
+def _rerun(graph: fx.Graph, nodes: list[fx.Node], overwrite: bool = False) -> bool:
+    """Run ``nodes`` again on their inputs' recorded fake values, checking (or filling in) each result; with
+    ``overwrite``, record each result, and run the users of every value that changed in turn.
 
     False when that cannot be done (an input without a recorded value): the caller propagates the whole graph.
     """
@@ -168,25 +169,33 @@ def _rerun(graph: fx.Graph, nodes: list[fx.Node]) -> bool:
     module = graph.owning_module
     if fake_mode is None or module is None:
         return False
-    interpreter = _FakeRepropagation(module, graph, overwrite=False)
+    interpreter = _FakeRepropagation(module, graph, overwrite)
+    pending = set(nodes)
     with fake_mode:
-        for node in nodes:
-            if node.op == "placeholder":  # passes keep the graph's inputs; only a whole run can feed them
+        for node in graph.nodes:
+            if node not in pending or node.op == "placeholder":  # passes keep the inputs; only a whole run feeds them
                 continue
             for arg in node.all_input_nodes:
                 if _value(arg) is None:
                     return False
                 interpreter.env[arg] = _value(arg)
+            recorded = _value(node)
             interpreter.run_node(node)
+            if _value(node) is not recorded:
+                pending.update(node.users)
     return True
 
 
-def refresh_fake_values(graph: fx.Graph) -> GraphState | None:
-    """Recompute every node's ``meta["val"]`` from the placeholders' fake values (after a rewrite).
+def refresh_fake_values(graph: fx.Graph, since: GraphState | None = None) -> GraphState | None:
+    """Recompute ``meta["val"]`` from the placeholders' fake values after a rewrite: of every node, or with
+    ``since`` (the state before the rewrite) of the nodes touched since and, in turn, of the users of every
+    value that changed (an SP rewrite leaves the sub-layers' values as they were: they read gathered rows).
 
     Returns the graph's state right after (hand it to the manager as ``PassResult.propagated``), or ``None``
     where the graph carries no fake values to propagate from.
     """
+    if since is not None and _rerun(graph, since.touched(graph), overwrite=True):
+        return graph_state(graph)
     return graph_state(graph) if _propagate(graph, overwrite=True) else None
 
 

@@ -134,10 +134,7 @@ def test_dynamic_compile_of_the_drafter_finds_its_hc_blocks() -> None:
     _, drafter = agreeing_models(0, 1)
     torch._dynamo.reset()
     be = hcpasses.backend()
-    # Caches off: a shared cache dir (xdist workers, other runs) has served this compile code built with the
-    # vector ISA, which fails to build under vec_isa_ok=False ("at::vec has not been declared").
-    patches = {"cpp.vec_isa_ok": False, "force_disable_caches": True}
-    with torch.no_grad(), torch._inductor.config.patch(patches):
+    with torch.no_grad(), torch._inductor.config.patch({"force_disable_caches": True}):
         torch.compile(drafter, backend=be, dynamic=True)(random_state(6, seed=16), random_ids(6, seed=17))
     # attention HC, MLP HC, final mixer
     reason = be.reports[-1].record("gated_mean_quant").reason
@@ -210,8 +207,7 @@ def tp_rank_main(rank: int, world_size: int) -> dict[str, Any]:
     state, ids = random_state(DRAFT_TOKENS, seed=11), random_ids(DRAFT_TOKENS, seed=12)
     prompt = random_ids(PROMPT_TOKENS, seed=10)
     results: dict[str, Any] = {}
-    # Scalar C++ compiles in about half the time of vectorised C++ on CPU; the passes run before codegen.
-    with torch.no_grad(), torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+    with torch.no_grad():
         results["eager-recomputed"] = speculative_decode(target, drafter, prompt, NEW_TOKENS, recompute=True)
         for name, flags in BACKENDS.items():
             torch._dynamo.reset()

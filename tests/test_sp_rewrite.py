@@ -293,7 +293,6 @@ def test_generated_code_of_the_sharded_graph_matches_sp_off(case: Case) -> None:
             variant,
             dynamic=case.dynamic,
             codegen=True,
-            config_patches={"cpp.simdlen": 0},  # scalar C++ compiles in about half the time; same numbers
         )
         inputs = [with_tokens(graphs.inputs[r], graphs.graphs[r], ids) for r in range(case.tp)]
         runs.append((graphs, simulate_compiled(graphs.compiled, inputs)))

@@ -98,8 +98,7 @@ def test_hcpasses_backend_matches_eager(family: str, batch: int) -> None:
     # graph it records is the one Inductor lowers.
     lowered = RecordingPass()
     torch._dynamo.reset()
-    # No SIMD code: halves Inductor's C++ codegen and compile time on CPU; the numbers are the same.
-    patches = {"cpp.simdlen": 0, "force_disable_caches": True, "post_grad_custom_post_pass": lowered}
+    patches = {"force_disable_caches": True, "post_grad_custom_post_pass": lowered}
     with torch._inductor.config.patch(patches):
         actual = logits(torch.compile(model, backend=backend), ids)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
