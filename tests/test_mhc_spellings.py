@@ -2,7 +2,7 @@
 (``tests/corpus/mhc_spelled.py``: transformers, DeepSeek's reference, an MLX port, a batched matmul, an einsum).
 
 Hypothesis draws, per block, the collapse and the sub-layer input quant (or none), and per model the dtype, tp (1,
-2, 4 or 8; 8, the usual TP of one node, three times as often: one trace gives 8 graphs), the token layout (``[T]`` or
+2, 4 or 8; 8, the usual TP of one node, most often: one trace gives 8 graphs), the token layout (``[T]`` or
 ``[batch, seq]``) and T (1, below tp, ragged, a multiple of tp). Each example checks the exact counts of every pass
 in the graph and in the report, the SP graph against the same graph with SP off (exact but for last-bit roundings,
 which move at most one token row) and the model against eager.

@@ -1,7 +1,7 @@
 """Both passes on HC models whose blocks are each spelled another way (``tests/corpus/spelled.py``).
 
 Hypothesis draws, per HC block, the grouped norm, the stream collapse and the sub-layer input quant (or none), and
-per model the dtype, tp (1, 2, 4 or 8; 8, the usual TP of one node, three times as often: one trace gives 8 graphs), the
+per model the dtype, tp (1, 2, 4 or 8; 8, the usual TP of one node, most often: one trace gives 8 graphs), the
 layer count, where a non-row-local op sits (a causal conv over tokens before a layer, or none) and T (1, below tp,
 ragged, a multiple of tp, up to 300). Each example checks the exact counts of both passes in the graph and in the
 report, the SP graph against the same graph with SP off (exact but for last-bit roundings, which move at most one
@@ -60,8 +60,10 @@ def canonical_rewrites(spelling: BlockSpelling, dtype: torch.dtype) -> int:
 
 
 # tp per example for both spelling properties: 1 (the single-device graph), 2, 4, and 8, the usual TP of one
-# node, three times as often: one trace gives 8 rank graphs, the most graphs per second the suite checks.
-SPELLING_TPS = st.sampled_from((1, 2, 4, 8, 8, 8))
+# node, most often: one trace gives 8 rank graphs, the most graphs per second the suite checks. Hypothesis does
+# not draw sampled_from uniformly (it favours the first elements): counted over 120 examples, (1, 2, 4, 8, 8, 8)
+# gave tp 8 in 40 % of them and tp 1 in 20 %; this order gives tp 8 in 61 %, tp 1, 2 and 4 in 13 % each.
+SPELLING_TPS = st.sampled_from((8, 1, 8, 2, 8, 4, 8, 8))
 # Both spelling properties run a fifth more examples than the profile's (ci: 120): the bulk of the rewritten
 # graphs of issue #11's reliability budget (1000 per CI run) comes from them. Up to 8 rank graphs per example
 # run longer than the suite's 600 s per test under the ci profile on 2 busy cores: 1500 s.
