@@ -29,7 +29,7 @@ class PassResult:
         reason: why nothing (or not everything) was rewritten; ``None`` when there is nothing to say.
         notes: facts worth showing in the report (what was found, where a region starts and ends).
         facts: machine-readable facts for the backend (e.g. the symbolic token count SP sharded over).
-        propagated: the graph's state right after the pass re-propagated every fake value
+        propagated: the graph's state right after the pass brought every fake value up to date
             (``hcpasses.verify.refresh_fake_values``), if it did: the manager verifies only what changed since.
     """
 
