@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from corpus.gated_residual import UserHC
 from corpus.quants import QUANTS
+from harness import passes_run_every_compile
 from harness.reference import fused_op_count
 
 import hcpasses
@@ -37,7 +38,7 @@ class QuantisedUserHC(UserHC):
 def compiled_graph_and_output(model: torch.nn.Module, ids: torch.Tensor, **flags: bool) -> tuple:
     torch._dynamo.reset()
     be = hcpasses.backend(**flags)
-    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+    with torch.no_grad(), passes_run_every_compile():
         graphs = []
         record = lambda graph: graphs.append(torch.fx.GraphModule(torch.nn.Module(), graph))  # noqa: E731
         with torch._inductor.config.patch(post_grad_custom_post_pass=record):

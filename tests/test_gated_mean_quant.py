@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness.capture import RecordingPass
+from harness.capture import RecordingPass, passes_run_every_compile
 from harness.reference import fp8_ordinal, fused_op_count
 
 import hcpasses
@@ -36,8 +36,8 @@ def compile_run(fn: Callable, *args: torch.Tensor, dynamic: bool = False, **flag
     passes, by Inductor's post pass) into ``be.graphs``."""
     be = fresh_backend(**flags)
     recorder = RecordingPass()
-    patches = {"force_disable_caches": True, "post_grad_custom_post_pass": recorder}
-    with torch._inductor.config.patch(patches), torch.no_grad():
+    post_pass = torch._inductor.config.patch(post_grad_custom_post_pass=recorder)
+    with passes_run_every_compile(), post_pass, torch.no_grad():
         out = torch.compile(fn, backend=be, dynamic=dynamic)(*args)
     be.graphs = recorder.graphs
     return out, be
@@ -242,8 +242,8 @@ def test_dynamic_tokens_fuse_once_and_do_not_recompile() -> None:
     be = fresh_backend()
     compiled = torch.compile(model, backend=be, dynamic=True)
     recorder = RecordingPass()
-    patches = {"force_disable_caches": True, "post_grad_custom_post_pass": recorder}
-    with torch._inductor.config.patch(patches), torch.no_grad():
+    post_pass = torch._inductor.config.patch(post_grad_custom_post_pass=recorder)
+    with passes_run_every_compile(), post_pass, torch.no_grad():
         for tokens in (5, 17, 64, 2):  # T=1 is specialised by Dynamo (a 0/1 size), so not here
             ids = torch.randint(0, cfg.vocab_size, (tokens,))
             torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-3, atol=1e-3)

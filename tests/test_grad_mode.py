@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from harness import passes_run_every_compile
 
 import hcpasses
 from hcpasses.manager import AUTOGRAD_REASON
@@ -23,7 +24,7 @@ def compile_and_run(
     torch._dynamo.reset()
     be = hcpasses.backend(sp_min_tokens=1)
     ids = torch.randint(0, CFG.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
-    with torch._inductor.config.patch(force_disable_caches=True), mode():
+    with passes_run_every_compile(), mode():
         out = torch.compile(model, backend=be)(ids)
         expected = model(ids)
     return be, out, expected
@@ -43,7 +44,7 @@ def test_grad_mode_graph_is_skipped_with_the_reason() -> None:
     assert len(be.reports) == 1, "one forward graph"
     # Training through the compiled model works (the passes touched nothing); AOTAutograd compiles the
     # backward on the first backward call, through the same pipeline: a second report.
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with passes_run_every_compile():
         out.float().sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     assert len(be.reports) == 2, "forward and backward graphs"

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from harness import passes_run_every_compile
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hcpasses
@@ -133,10 +134,10 @@ class CountCalls(GraphPass):
 
 
 def compile_and_run(be: HCPassesBackend, dynamic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compile with Inductor's caches off, so the passes run (with dynamic=True fresh sizes don't help)."""
+    """Compile with Inductor's graph caches off, so the passes run (with dynamic=True fresh sizes don't help)."""
     torch._dynamo.reset()
     x, w = fresh_inputs()
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with passes_run_every_compile():
         compiled = torch.compile(model, backend=be, dynamic=dynamic)
         return compiled(x, w), model(x, w)
 

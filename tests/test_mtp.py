@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import passes_run_every_compile
 
 import hcpasses
 from hcpasses.multiproc import run_ranks
@@ -134,7 +135,7 @@ def test_dynamic_compile_of_the_drafter_finds_its_hc_blocks() -> None:
     _, drafter = agreeing_models(0, 1)
     torch._dynamo.reset()
     be = hcpasses.backend()
-    with torch.no_grad(), torch._inductor.config.patch({"force_disable_caches": True}):
+    with torch.no_grad(), passes_run_every_compile():
         torch.compile(drafter, backend=be, dynamic=True)(random_state(6, seed=16), random_ids(6, seed=17))
     # attention HC, MLP HC, final mixer
     reason = be.reports[-1].record("gated_mean_quant").reason

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import simulate
+from harness import passes_run_every_compile, simulate
 from harness.reference import (
     RankGraphs,
     assert_same_as_sp_off,
@@ -135,7 +135,7 @@ def batched_rank(rank: int, tp: int) -> dict[str, Any]:
     be = hcpasses.backend(sp_min_tokens=10)
     compiled = torch.compile(model, backend=be, dynamic=True)
     results: dict[str, Any] = {}
-    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+    with torch.no_grad(), passes_run_every_compile():
         for shape in SHAPES:
             results[shape] = compiled(batched_ids(shape))
     results["calls"] = [dict(d.calls) for d in be.dispatchers]

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from harness import fake_process_group
+from harness import fake_process_group, passes_run_every_compile
+from harness.capture import compile_without_codegen
 from harness.toy import D_MODEL, build_toy_mlp
 
 import hcpasses
@@ -23,7 +24,7 @@ TINY = dict(n_heads=12, n_kv_heads=12, intermediate=96)
 def compile_once(model: torch.nn.Module, ids: torch.Tensor, **flags: Any) -> hcpasses.HCPassesBackend:
     torch._dynamo.reset()
     be = hcpasses.backend(**flags)
-    with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
+    with passes_run_every_compile(), torch.no_grad():
         torch.compile(model, backend=be)(ids)
     return be
 
@@ -127,14 +128,14 @@ def test_two_gloo_ranks_match_single_device_eager() -> None:
 
 
 def recording_compile_fx(monkeypatch) -> list[dict[str, Any]]:
-    """Record the Inductor config patches of every compile the backend makes."""
+    """Record the Inductor config patches of every compile the backend makes; each compile runs the passes
+    (reports are made) and stops before codegen (the backend's choices are tested, not Inductor's code)."""
     backend_module = sys.modules["hcpasses.backend"]  # the module; ``hcpasses.backend`` is the function
     seen: list[dict[str, Any]] = []
-    real = backend_module.compile_fx
 
     def compile_fx(gm: Any, example_inputs: Any, config_patches: dict[str, Any]) -> Any:
         seen.append(config_patches)
-        return real(gm, example_inputs, config_patches=config_patches)
+        return compile_without_codegen(gm, example_inputs, config_patches)
 
     monkeypatch.setattr(backend_module, "compile_fx", compile_fx)
     return seen
@@ -152,7 +153,7 @@ def test_cudagraphs_only_for_unsharded_graphs(monkeypatch) -> None:
     seen.clear()
     torch._dynamo.reset()
     be = hcpasses.backend(sp_min_tokens=64, cudagraphs=True)
-    with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
+    with passes_run_every_compile(), torch.no_grad():
         torch.compile(model, backend=be, dynamic=True)(torch.randint(0, 64, (80,)))
     assert [r.variant for r in be.reports] == ["sharded", "unsharded"], [str(r) for r in be.reports]
     # Dynamo may trace the dynamic graph twice; every compile of the sharded pipeline is without CUDA graphs

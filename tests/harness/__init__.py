@@ -8,6 +8,7 @@ from .capture import (
     check_inputs,
     count_calls,
     fake_process_group,
+    passes_run_every_compile,
     simulate_captured,
 )
 from .simulator import CollectiveMismatchError, CollectiveTimeoutError, simulate, simulate_compiled
@@ -22,6 +23,7 @@ __all__ = [
     "check_inputs",
     "count_calls",
     "fake_process_group",
+    "passes_run_every_compile",
     "simulate",
     "simulate_captured",
     "simulate_compiled",

@@ -48,15 +48,24 @@ __all__ = [
     "capture_ranks",
     "capture_ranks_from_one_trace",
     "check_inputs",
+    "compile_without_codegen",
     "copy_graph",
     "fake_process_group",
+    "passes_run_every_compile",
     "simulate_captured",
 ]
 
 # Bypass the FX graph cache (and with it AOTAutograd's cache, which requires it) so that the recording
-# pass runs on every compile. ``force_disable_caches`` is not set: it also disables the C++ kernel
-# cache and makes every compile several seconds slower; pass it in ``config_patches`` if needed.
+# pass runs on every compile. ``force_disable_caches`` is not set: it also gives each compile a fresh cache
+# dir, so every C++ kernel is compiled again (about 1 s each, scalar), even one this process just built.
 _CACHE_PATCHES: dict[str, Any] = {"fx_graph_cache": False}
+
+
+def passes_run_every_compile() -> contextlib.AbstractContextManager[None]:
+    """Inductor config under which every ``torch.compile`` runs the post-grad passes (no FX or AOTAutograd
+    cache hit) while identical C++ kernels are still reused from the kernel cache (content-addressed: a
+    kernel's binary is keyed by its source)."""
+    return torch._inductor.config.patch(_CACHE_PATCHES)
 
 
 class CaptureError(RuntimeError):
@@ -203,6 +212,25 @@ class _CapturingBackend:
             return compiled(*args)
 
         return run
+
+
+def compile_without_codegen(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config_patches: dict[str, Any]
+) -> Callable[..., Any]:
+    """Inductor's ``compile_fx`` up to and including the post-grad passes of ``config_patches`` (their
+    reports are made), stopped before codegen; returns Dynamo's graph, which runs eagerly. For tests of what a
+    backend asks of Inductor, not of the code Inductor generates."""
+    from torch._inductor.compile_fx import compile_fx
+
+    stop = RecordingPass(stop=True)
+    try:
+        compile_fx(gm, list(example_inputs), config_patches={**config_patches, "post_grad_custom_post_pass": stop})
+    except Exception as err:  # Inductor wraps what its passes raise (InductorError on 2.13)
+        if not (stop.graphs and _caused_by_stop(err)):
+            raise
+    else:
+        raise CaptureError("compile_fx returned without running the post-grad post pass")
+    return gm.forward
 
 
 def check_inputs(gm: torch.fx.GraphModule, values: Sequence[Any]) -> None:

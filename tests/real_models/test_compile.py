@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
-from harness.capture import RecordingPass
+from harness.capture import RecordingPass, passes_run_every_compile
 from harness.reference import capture_with_passes
 from hf_cases import FAMILIES, ONE_LAYER, logits, token_ids
 from transformers.models.qwen4_exp import modeling_qwen4_exp
@@ -98,8 +98,7 @@ def test_hcpasses_backend_matches_eager(family: str, batch: int) -> None:
     # graph it records is the one Inductor lowers.
     lowered = RecordingPass()
     torch._dynamo.reset()
-    patches = {"force_disable_caches": True, "post_grad_custom_post_pass": lowered}
-    with torch._inductor.config.patch(patches):
+    with passes_run_every_compile(), torch._inductor.config.patch(post_grad_custom_post_pass=lowered):
         actual = logits(torch.compile(model, backend=backend), ids)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
 

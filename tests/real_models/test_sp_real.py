@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import simulate
+from harness import passes_run_every_compile, simulate
 from harness.reference import assert_same_as_sp_off, capture_with_passes, collective_counts, fused_op_count
 from hf_cases import FAMILIES, ONE_LAYER, logits, token_ids
 
@@ -72,7 +72,7 @@ def compiled_rank(rank: int, tp: int) -> dict[str, object]:
 
     model = build("qwen4_exp", True, rank, tp)
     backend = hcpasses.backend(sp_min_tokens=1)
-    with torch._inductor.config.patch({"force_disable_caches": True}):
+    with passes_run_every_compile():
         actual = logits(torch.compile(model, backend=backend), token_ids(2, seed=6))
     return {"logits": actual, "reports": [str(r) for r in backend.reports], "sp": backend.reports[0].applied}
 
