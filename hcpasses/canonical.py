@@ -48,15 +48,11 @@ import torch.fx as fx
 
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
-from hcpasses.patterns.tracing import split_streams
+from hcpasses.patterns.tracing import split_streams, value_of
 
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def _val(node: object) -> object:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def max_values_to_amax(graph: fx.Graph, node: fx.Node) -> str | None:
@@ -70,7 +66,7 @@ def max_values_to_amax(graph: fx.Graph, node: fx.Node) -> str | None:
     [values] = node.users
     with graph.inserting_before(node):
         amax = graph.call_function(aten.amax.default, (source, [dim], keepdim))
-    amax.meta["val"] = _val(values)
+    amax.meta["val"] = value_of(values)
     values.replace_all_uses_with(amax)
     graph.erase_node(values)
     graph.erase_node(node)
@@ -88,22 +84,22 @@ def upcast_before_amax(graph: fx.Graph, node: fx.Node) -> str | None:
     if not isinstance(absolute, fx.Node) or absolute.target is not aten.abs.default or len(absolute.users) != 1:
         return None
     x = absolute.args[0]
-    if not isinstance(_val(x), torch.Tensor) or _val(x).dtype not in LOW_PRECISION:
+    if not isinstance(value_of(x), torch.Tensor) or value_of(x).dtype not in LOW_PRECISION:
         return None
     upcast = next((u for u in x.users if u.target is CONVERT and u.args[1] == torch.float32 and not u.kwargs), None)
     with graph.inserting_before(node):
         if upcast is None:
             upcast = graph.call_function(CONVERT, (x, torch.float32))
-            upcast.meta["val"] = _val(x).float()
+            upcast.meta["val"] = value_of(x).float()
         new_abs = graph.call_function(aten.abs.default, (upcast,))
-        new_abs.meta["val"] = _val(upcast).abs()
+        new_abs.meta["val"] = value_of(upcast).abs()
         new_amax = graph.call_function(aten.amax.default, (new_abs, *amax.args[1:]), dict(amax.kwargs))
-    new_amax.meta["val"] = _val(node)
+    new_amax.meta["val"] = value_of(node)
     _move_before(graph, upcast, new_abs)
     node.replace_all_uses_with(new_amax)
     for dead in (node, amax, absolute):
         graph.erase_node(dead)
-    return f"amax in {_val(x).dtype} then float32 -> amax of the float32 upcast: {new_amax.name}"
+    return f"amax in {value_of(x).dtype} then float32 -> amax of the float32 upcast: {new_amax.name}"
 
 
 def _move_before(graph: fx.Graph, node: fx.Node, user: fx.Node) -> None:
@@ -121,7 +117,7 @@ def reciprocal_to_division(graph: fx.Graph, node: fx.Node) -> str | None:
     total, factor = node.args
     if not isinstance(total, fx.Node) or total.target is not aten.sum.dim_IntList or not isinstance(factor, float):
         return None
-    dims, source = total.args[1], _val(total.args[0])
+    dims, source = total.args[1], value_of(total.args[0])
     if not isinstance(source, torch.Tensor) or not isinstance(dims, (list, tuple)) or len(dims) != 1:
         return None
     n = source.shape[dims[0]]
@@ -129,7 +125,7 @@ def reciprocal_to_division(graph: fx.Graph, node: fx.Node) -> str | None:
         return None
     with graph.inserting_before(node):
         division = graph.call_function(aten.div.Tensor, (total, n))
-    division.meta["val"] = _val(node)
+    division.meta["val"] = value_of(node)
     node.replace_all_uses_with(division)
     graph.erase_node(node)
     return f"sum * (1/{n}) -> sum / {n}: {division.name}"
@@ -149,9 +145,9 @@ def sigmoid_before_stream_split(graph: fx.Graph, node: fx.Node) -> str | None:
     source = split.args[0]
     with graph.inserting_before(node):
         gate = graph.call_function(aten.sigmoid.default, (source,))
-        gate.meta["val"] = _val(source).sigmoid()
+        gate.meta["val"] = value_of(source).sigmoid()
         reshaped = graph.call_function(aten.reshape.default, (gate, split.args[1]))
-    reshaped.meta["val"] = _val(node)
+    reshaped.meta["val"] = value_of(node)
     node.replace_all_uses_with(reshaped)
     graph.erase_node(node)
     if not split.users:
@@ -169,7 +165,7 @@ def drop_noop_convert(graph: fx.Graph, node: fx.Node) -> str | None:
     if node.target is not CONVERT or len(node.args) != 2 or node.kwargs:
         return None
     source = node.args[0]
-    if not isinstance(_val(source), torch.Tensor) or _val(source).dtype != node.args[1]:
+    if not isinstance(value_of(source), torch.Tensor) or value_of(source).dtype != node.args[1]:
         return None
     node.replace_all_uses_with(source)
     graph.erase_node(node)
@@ -186,7 +182,7 @@ def gate_unsqueeze_last_dim(graph: fx.Graph, node: fx.Node) -> str | None:
     if node.target is not aten.unsqueeze.default or len(node.args) != 2:
         return None
     source, dim = node.args
-    if not isinstance(_val(source), torch.Tensor) or dim != _val(source).dim():
+    if not isinstance(value_of(source), torch.Tensor) or dim != value_of(source).dim():
         return None
     if not all(user.target is aten.mul.Tensor and _feeds_only_sums(user) for user in node.users):
         return None
@@ -203,7 +199,7 @@ def upcast_into_promoting_mul(graph: fx.Graph, node: fx.Node) -> str | None:
         return None
     for position, operand in enumerate(node.args):
         other = node.args[1 - position]
-        if not isinstance(_val(other), torch.Tensor) or _val(other).dtype != torch.float32:
+        if not isinstance(value_of(other), torch.Tensor) or value_of(other).dtype != torch.float32:
             continue
         if other.target is not aten.unsqueeze.default or other.args[1] != -1:
             continue
@@ -212,18 +208,18 @@ def upcast_into_promoting_mul(graph: fx.Graph, node: fx.Node) -> str | None:
         if not isinstance(convert, fx.Node) or convert.target is not CONVERT or convert.args[1] != torch.float32:
             continue
         low = convert.args[0]
-        if not isinstance(_val(low), torch.Tensor) or _val(low).dtype not in LOW_PRECISION:
+        if not isinstance(value_of(low), torch.Tensor) or value_of(low).dtype not in LOW_PRECISION:
             continue
         with graph.inserting_before(node):
             if view is not None:
                 low_view = graph.call_function(aten.reshape.default, (low, view.args[1]))
-                low_view.meta["val"] = _val(low).reshape(_val(view).shape)
+                low_view.meta["val"] = value_of(low).reshape(value_of(view).shape)
                 low = low_view
         node.args = tuple(low if i == position else arg for i, arg in enumerate(node.args))
         for dead in (view, convert):
             if dead is not None and not dead.users:
                 graph.erase_node(dead)
-        return f"upcast of {_val(low).dtype} into a promoting mul -> dropped: {node.name}"
+        return f"upcast of {value_of(low).dtype} into a promoting mul -> dropped: {node.name}"
     return None
 
 
@@ -245,7 +241,7 @@ def token_bmm_to_gated_sum(graph: fx.Graph, node: fx.Node) -> str | None:
         return None
     a, x = node.args
     x_operand = x
-    a_val, x_val = _val(a), _val(x)
+    a_val, x_val = value_of(a), value_of(x)
     if not isinstance(a_val, torch.Tensor) or not isinstance(x_val, torch.Tensor):
         return None
     n, hidden = x_val.shape[-2], x_val.shape[-1]
@@ -261,19 +257,19 @@ def token_bmm_to_gated_sum(graph: fx.Graph, node: fx.Node) -> str | None:
     with graph.inserting_before(end or node):  # end's sizes may be computed after the bmm
         if lead is None:  # the result [B, 1, S] is used as it is ([batch, 1] tokens: decode): keep that layout
             gate, x = _same_shape_source(a), _same_shape_source(x)
-            x = _call(graph, aten.unsqueeze.default, (x, 1), _val(x).unsqueeze(1))
+            x = _call(graph, aten.unsqueeze.default, (x, 1), value_of(x).unsqueeze(1))
         else:  # view the values behind the bmm's operand relayouts to the result's token layout
-            tokens = _val(end).shape[:-1]
+            tokens = value_of(end).shape[:-1]
             gate, x = _before_relayouts(a), _before_relayouts(x)
-            gate = _call(graph, aten.reshape.default, (gate, [*lead, n]), _val(gate).reshape(*tokens, n))
-            x = _call(graph, aten.reshape.default, (x, [*lead, n, hidden]), _val(x).reshape(*tokens, n, hidden))
+            gate = _call(graph, aten.reshape.default, (gate, [*lead, n]), value_of(gate).reshape(*tokens, n))
+            x = _call(graph, aten.reshape.default, (x, [*lead, n, hidden]), value_of(x).reshape(*tokens, n, hidden))
         if dtype != torch.float32:
-            gate = _call(graph, CONVERT, (gate, torch.float32), _val(gate).float())
-        column = _call(graph, aten.unsqueeze.default, (gate, -1), _val(gate).unsqueeze(-1))
-        product = _call(graph, aten.mul.Tensor, (column, x), _val(column) * _val(x))
-        total = _call(graph, aten.sum.dim_IntList, (product, [-2]), _val(product).sum(-2))
+            gate = _call(graph, CONVERT, (gate, torch.float32), value_of(gate).float())
+        column = _call(graph, aten.unsqueeze.default, (gate, -1), value_of(gate).unsqueeze(-1))
+        product = _call(graph, aten.mul.Tensor, (column, x), value_of(column) * value_of(x))
+        total = _call(graph, aten.sum.dim_IntList, (product, [-2]), value_of(product).sum(-2))
         if dtype != torch.float32:
-            total = _call(graph, CONVERT, (total, dtype), _val(total).to(dtype))
+            total = _call(graph, CONVERT, (total, dtype), value_of(total).to(dtype))
     replaced = end or node
     replaced.replace_all_uses_with(total)
     while replaced is not node:  # the view chain from the bmm to its end, last first
@@ -312,7 +308,7 @@ def _through_permutes(permute: fx.Node) -> tuple[fx.Node, bool]:
     order, source = list(permute.args[1]), permute.args[0]
     while source.target is aten.permute.default:  # compose: out dim i is source dim order[i]
         order, source = [source.args[1][d] for d in order], source.args[0]
-    shape = _val(source).shape
+    shape = value_of(source).shape
     kept = [d for d in order if shape[d] != 1]
     return source, kept == sorted(kept)
 
@@ -331,7 +327,7 @@ def _same_shape_source(node: fx.Node) -> fx.Node:
     """``_before_relayouts(node)`` when it has ``node``'s shape (only copies, no-op expands and permutes of unit
     dims that cancel lie between), else ``node``."""
     source = _before_relayouts(node)
-    return source if tuple(_val(source).shape) == tuple(_val(node).shape) else node
+    return source if tuple(value_of(source).shape) == tuple(value_of(node).shape) else node
 
 
 def _before_relayouts(node: fx.Node) -> fx.Node:
@@ -344,7 +340,7 @@ def _before_relayouts(node: fx.Node) -> fx.Node:
             if not unit_only:
                 break
         elif node.target is aten.expand.default:
-            if tuple(_val(source).shape) != tuple(_val(node).shape):
+            if tuple(value_of(source).shape) != tuple(value_of(node).shape):
                 break
         elif node.target not in (aten.reshape.default, aten.view.default, aten.clone.default):
             break
@@ -364,7 +360,7 @@ def _token_view_end(bmm: fx.Node, hidden: int) -> fx.Node | None:
         elif user.target not in (aten.reshape.default, aten.view.default):
             break
         node = user
-        out = _val(node)
+        out = value_of(node)
         if node.target is not aten.permute.default and out.dim() >= 2 and out.shape[-1] == hidden:
             end = node
     return end

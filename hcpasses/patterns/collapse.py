@@ -36,7 +36,7 @@ from hcpasses.patterns.gated_mean import (
     unrounded_mhc_collapse,
     unrounded_stacked_mhc_collapse,
 )
-from hcpasses.patterns.tracing import matched, reduces_dim, same_sizes, split_streams, trace_pattern
+from hcpasses.patterns.tracing import matched, reduces_dim, same_sizes, split_streams, trace_pattern, value_of
 
 aten = torch.ops.aten
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -300,7 +300,7 @@ def _unflattened(arg: Any) -> Any:
     if not isinstance(arg, fx.Node) or arg.target not in (aten.reshape.default, aten.view.default):
         return arg
     source, out = arg.args[0], arg.meta.get("val")
-    source_val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    source_val = value_of(source)
     if not isinstance(source_val, torch.Tensor) or not isinstance(out, torch.Tensor):
         return arg
     # The fusion's flattening merges the token dims and keeps the width; a model's own reshape of [..., n, S]

@@ -54,6 +54,11 @@ def matched(match: Match, target: Any) -> list[fx.Node]:
     return [n for n in match.nodes if n.op == "call_function" and n.target is target]
 
 
+def value_of(node: Any) -> Any:
+    """The fake value of a graph node (``meta["val"]``); None for a literal or a node without one."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
 def static_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -61,7 +66,7 @@ def static_int(value: Any) -> int | None:
 def split_streams(reshape: fx.Node) -> tuple[int, int] | None:
     """``(n, S)`` when ``reshape`` turns ``[..., n*S]`` into ``[..., n, S]`` (same leading dims, static n, S)."""
     source, sizes = reshape.args[0], reshape.args[1]
-    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    val = value_of(source)
     if not isinstance(val, torch.Tensor) or not isinstance(sizes, (list, tuple)) or len(sizes) != val.dim() + 1:
         return None
     out = reshape.meta.get("val")

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 import hcpasses.rows  # noqa: F401  (registers torch.ops.hcpasses.shard_rows)
+from hcpasses.patterns.tracing import value_of
 from hcpasses.sp.region import (
     SIZE_OPS,
     SYM_SIZE,
@@ -27,7 +28,6 @@ from hcpasses.sp.region import (
     node_order,
     same_size,
     token_dims,
-    value_of,
 )
 from hcpasses.verify import GraphState, graph_state, refresh_fake_values
 

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hcpasses.patterns.collapse import FoundCollapse
-from hcpasses.patterns.tracing import same_sizes
+from hcpasses.patterns.tracing import same_sizes, value_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -60,10 +60,6 @@ class Region:
     collapses: list[FoundCollapse]
     why_start: str
     entries: list[tuple[fx.Node, fx.Node]]  # (region node, full-size operand from outside) pairs to shard
-
-
-def value_of(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def same_size(a: Any, b: Any) -> bool:
