@@ -130,11 +130,6 @@ def capture_with_passes(
     )
 
 
-def sp_off(config: HCPassesConfig) -> HCPassesConfig:
-    """The same configuration with the SP rewrite off: the TP graph SP is compared against."""
-    return dataclasses.replace(config, sp_rewrite=False)
-
-
 def every_pass_off(config: HCPassesConfig) -> HCPassesConfig:
     """The same configuration with every pass off: the plain TP graph."""
     return dataclasses.replace(config, canonical_forms=False, cleanup=False, gated_mean_quant=False, sp_rewrite=False)
