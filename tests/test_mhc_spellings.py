@@ -25,7 +25,7 @@ from harness.reference import (
 from harness.tally import CheckedGraphs
 from hypothesis import given
 from hypothesis import strategies as st
-from test_spellings import SPELLING_SETTINGS, SPELLING_TPS, token_counts
+from test_spellings import SPELLING_TIMEOUT_S, SPELLING_TPS, token_counts
 
 from hcpasses.config import HCPassesConfig
 
@@ -48,8 +48,7 @@ def canonical_rewrites(collapse: str, quant: str | None, dtype: torch.dtype) -> 
     return per_collapse + per_quant
 
 
-@pytest.mark.timeout(1500)  # see SPELLING_SETTINGS
-@SPELLING_SETTINGS
+@pytest.mark.timeout(SPELLING_TIMEOUT_S)
 @given(data=st.data())
 def test_every_mhc_collapse_spelling_is_sharded_and_fused(data: st.DataObject, checked_graphs: CheckedGraphs) -> None:
     blocks = data.draw(st.lists(SPELLINGS, min_size=1, max_size=3), label="blocks")
