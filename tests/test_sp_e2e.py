@@ -91,14 +91,12 @@ def e2e_rank(rank: int, world_size: int) -> dict[str, Any]:
             results[f"dynamic-{tokens}"] = compiled(token_ids(tokens))
         results["dynamic-reports"] = [str(r) for r in be.reports]
         results["dynamic-calls"] = [d.calls for d in be.dispatchers]
-        for tokens in (1, 7):  # T < tp, odd T; static graphs
-            torch._dynamo.reset()
-            be = hcpasses.backend(sp_min_tokens=1)
-            out = torch.compile(lambda ids: model(ids, return_hc_state=True), backend=be, dynamic=False)(
-                token_ids(tokens)
-            )
-            results[f"static-{tokens}"] = out
-            results[f"static-{tokens}-sp"] = be.reports[-1].record("sp_rewrite").status
+        # a static graph with T < tp: one rank holds a pad row only (ragged static T: the SP property)
+        torch._dynamo.reset()
+        be = hcpasses.backend(sp_min_tokens=1)
+        static = torch.compile(lambda ids: model(ids, return_hc_state=True), backend=be, dynamic=False)
+        results["static-1"] = static(token_ids(1))
+        results["static-1-sp"] = be.reports[-1].record("sp_rewrite").status
     return results
 
 
@@ -119,7 +117,7 @@ def test_two_gloo_ranks_match_single_device_eager() -> None:
             torch.testing.assert_close(value[0], logits, rtol=1e-4, atol=1e-4, msg=key)
             torch.testing.assert_close(value[1], state, rtol=1e-4, atol=1e-4, msg=key)
     first = results[0]
-    assert first["static-1-sp"] == "applied" and first["static-7-sp"] == "applied"
+    assert first["static-1-sp"] == "applied"
     # one dynamic graph in two variants, no recompile per T
     assert first["dynamic-calls"] == [{"sharded": 2, "unsharded": 3}], first["dynamic-reports"]
     reports = first["dynamic-reports"]

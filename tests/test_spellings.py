@@ -61,12 +61,13 @@ def canonical_rewrites(spelling: BlockSpelling, dtype: torch.dtype) -> int:
 
 # tp per example for both spelling properties: 1 (the single-device graph), 2, 4, and 8, the usual TP of one
 # node, most often: one trace gives 8 rank graphs, the most graphs per second the suite checks. Hypothesis does
-# not draw sampled_from uniformly (it favours the first elements): counted over 120 examples, (1, 2, 4, 8, 8, 8)
-# gave tp 8 in 40 % of them and tp 1 in 20 %; this order gives tp 8 in 61 %, tp 1, 2 and 4 in 13 % each.
-SPELLING_TPS = st.sampled_from((8, 1, 8, 2, 8, 4, 8, 8))
+# not draw uniformly (it favours the first elements), so the share is counted, over 5 runs of 100 examples each:
+# sampled_from((8, 1, 8, 2, 8, 4, 8, 8)) gave tp 8 in 52 to 75 % of them (the graph count of a CI run varied with
+# it); this one_of gives tp 8 in 74 to 82 %, tp 1, 2 and 4 in about 7 % each.
+SPELLING_TPS = st.one_of(st.just(8), st.sampled_from((8, 8, 1, 2, 4)))
 # Both spelling properties give the bulk of the rewritten graphs of issue #11's reliability budget (1000 per CI
-# run; measured 2026-12-02 with 120 examples each: 1535 in all, the suite 24 min; now the profile's 100). Up to 8
-# rank graphs per example run longer than the suite's 600 s per test under the ci profile on 2 busy cores: 1200 s.
+# run). Up to 8 rank graphs per example run longer than the suite's 600 s per test under the ci profile on 2 busy
+# cores: 1200 s.
 SPELLING_TIMEOUT_S = 1200
 
 
