@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from harness import fake_process_group, passes_run_every_compile
-from harness.capture import compile_without_codegen
+from harness import compile_without_codegen, fake_process_group, passes_run_every_compile
 from harness.toy import D_MODEL, build_toy_mlp
 
 import hcpasses
