@@ -50,6 +50,8 @@ class HCPassesConfig:
     sp_min_tokens: int = 1024
     dump_dir: str | None = None
     cudagraphs: bool = False
+    # Not a flag: the passes that HCPASSES_DISABLE turned off, so a report names the real reason.
+    disabled_by_env: tuple[str, ...] = dataclasses.field(default=(), metadata={"flag": False})
 
     def __post_init__(self) -> None:
         for name in (*PASS_NAMES, "cudagraphs"):
@@ -62,10 +64,13 @@ class HCPassesConfig:
             raise ValueError(f"hcpasses flag 'sp_min_tokens' must be an int >= 1, got {self.sp_min_tokens}")
         if self.dump_dir is not None and (not isinstance(self.dump_dir, str) or not self.dump_dir):
             raise ValueError(f"hcpasses flag 'dump_dir' must be a non-empty path string or None, got {self.dump_dir!r}")
+        unknown = sorted(set(self.disabled_by_env) - set(PASS_NAMES))
+        if unknown:
+            raise ValueError(f"disabled_by_env names unknown pass(es) {unknown}; valid passes are: {', '.join(PASS_NAMES)}")
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
-        return tuple(field.name for field in dataclasses.fields(cls))
+        return tuple(field.name for field in dataclasses.fields(cls) if field.metadata.get("flag", True))
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **flags: Any) -> HCPassesConfig:
@@ -95,12 +100,20 @@ class HCPassesConfig:
                 f"{ENV_DISABLE} names unknown pass(es) {', '.join(bad)}; valid passes are: {', '.join(PASS_NAMES)}"
             )
         overrides.update(dict.fromkeys(disabled, False))
+        if disabled:
+            overrides["disabled_by_env"] = tuple(name for name in PASS_NAMES if name in disabled)
         if env.get(ENV_DUMP_DIR):
             overrides["dump_dir"] = env[ENV_DUMP_DIR]
         return dataclasses.replace(self, **overrides) if overrides else self
 
     def pass_enabled(self, name: str) -> bool:
         return bool(getattr(self, name))
+
+    def why_disabled(self, name: str) -> str:
+        """The reason a report gives for a pass that is off: the environment, or the flag."""
+        if name in self.disabled_by_env:
+            return f"{ENV_DISABLE} names {name}"
+        return f"flag {name}=False"
 
     def describe(self) -> str:
         return ", ".join(f"{field.name}={getattr(self, field.name)!r}" for field in dataclasses.fields(self))

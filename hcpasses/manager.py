@@ -112,7 +112,7 @@ class PassManager(CustomGraphPass):
 
     def _run_one(self, graph: fx.Graph, name: str, order: int, dump: GraphDump | None) -> PassRecord:
         if not self.config.pass_enabled(name):
-            return PassRecord(name, "disabled", reason=f"flag {name}=False")
+            return PassRecord(name, "disabled", reason=self.config.why_disabled(name))
         if self.autograd:
             return PassRecord(name, "skipped", reason=AUTOGRAD_REASON)
         graph_pass = self.passes.get(name)

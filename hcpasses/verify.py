@@ -61,6 +61,8 @@ def _check_value(node: fx.Node, recorded: Any, fresh: Any) -> None:
             raise GraphVerificationError(f"node {node.name}: {len(recorded)} outputs recorded, {len(fresh)} now")
         for rec, new in zip(recorded, fresh, strict=True):
             _check_value(node, rec, new)
+    elif isinstance(recorded, (list, tuple)):
+        raise GraphVerificationError(f"node {node.name}: recorded a {type(recorded).__name__}, re-propagation gave {type(fresh)}")
 
 
 class _FakeRepropagation(fx.Interpreter):
