@@ -209,5 +209,5 @@ def test_restore_refuses_a_graph_whose_input_was_removed() -> None:
     x, w = (n for n in graph.nodes if n.op == "placeholder")
     w.replace_all_uses_with(x)
     graph.erase_node(w)
-    with pytest.raises(RuntimeError, match=r"cannot roll back: graph inputs \['arg1_1'\] were removed by the pass"):
+    with pytest.raises(RuntimeError, match=r"cannot roll back: graph inputs \['w_1'\] were removed by the pass"):
         restore_graph(graph, state)
