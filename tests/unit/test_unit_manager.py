@@ -1,0 +1,252 @@
+"""``PassManager`` called directly on traced graphs (no Inductor): order, statuses and reasons, rollback, dumps,
+the cache key. Each promise of ``manager.py``'s docstring and the README's flag table has a test here; these
+are the fast tests the mutation run (docs/TESTING.md) uses for ``manager.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from unit_graphs import first_node, node_program, traced
+
+from hcpasses import manager as manager_module
+from hcpasses.cleanup import DeadCodeCleanup
+from hcpasses.config import PASS_NAMES, HCPassesConfig
+from hcpasses.graph_pass import GraphPass, PassResult
+from hcpasses.manager import AUTOGRAD_REASON, PIPELINE, PassManager, pass_fingerprint, source_hash
+from hcpasses.report import GraphReport
+from hcpasses.verify import refresh_fake_values
+
+aten = torch.ops.aten
+
+
+def model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w) * 2.0 + 1.0
+
+
+class Spy(GraphPass):
+    """Counts its calls; optionally does something to the graph first."""
+
+    def __init__(self, name: str, action=None, applied: int = 0, reason: str | None = "nothing here") -> None:
+        self.name = name
+        self.action = action
+        self.applied, self.reason = applied, reason
+        self.calls = 0
+
+    def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
+        self.calls += 1
+        propagated = self.action(graph) if self.action else None
+        return PassResult(self.applied, self.reason, ("a note",), {"fact": "1"}, propagated=propagated)
+
+
+def add_unused_neg(graph: fx.Graph) -> None:
+    relu = first_node(graph, aten.relu.default)
+    with graph.inserting_after(relu):
+        neg = graph.call_function(aten.neg.default, (relu,))
+    neg.meta["val"] = relu.meta["val"]
+
+
+def swap_relu_for_abs(graph: fx.Graph) -> None:
+    first_node(graph, aten.relu.default).target = aten.abs.default
+
+
+def half_rows_into_the_mul(graph: fx.Graph) -> None:
+    relu = first_node(graph, aten.relu.default)
+    with graph.inserting_after(relu):
+        half = graph.call_function(aten.slice.Tensor, (relu, 0, 0, 2))
+    first_node(graph, aten.mul.Tensor).replace_input_with(relu, half)
+
+
+def run(passes, graph: fx.Graph | None = None, autograd: bool = False, env=None, **flags) -> tuple[GraphReport, fx.Graph]:
+    graph = graph if graph is not None else traced(model).graph
+    reports: list[GraphReport] = []
+    config = HCPassesConfig.resolve(env=env or {}, **flags)
+    PassManager(config, reports.append, passes=passes, autograd=autograd)(graph)
+    assert len(reports) == 1
+    return reports[0], graph
+
+
+def test_records_every_pass_in_pipeline_order_with_status_count_reason_notes_facts() -> None:
+    passes = [Spy("cleanup"), Spy("gated_mean_quant", add_unused_neg, applied=1, reason=None)]
+    report, graph = run(passes)
+    assert [r.name for r in report.passes] == list(PASS_NAMES)
+    canonical, fusion, sp, cleanup = report.passes
+    assert (canonical.status, canonical.reason) == ("unavailable", "no pass of this name is registered in this version")
+    assert (sp.status, sp.applied) == ("unavailable", 0)
+    assert (fusion.status, fusion.applied, fusion.reason) == ("applied", 1, None)
+    assert fusion.notes == ("a note",) and fusion.facts == {"fact": "1"} and fusion.seconds > 0
+    assert (cleanup.status, cleanup.applied, cleanup.reason) == ("unchanged", 0, "nothing here")
+    assert report.num_nodes_after == report.num_nodes_before + 1 == len(graph.nodes)
+    assert report.index == -1 and report.variant == "only" and not report.cached
+    assert all(p.calls == 1 for p in passes)
+
+
+def test_passes_run_in_order_each_on_the_graph_the_one_before_left() -> None:
+    seen: list[tuple[str, int]] = []
+    passes = [
+        Spy(name, lambda g, name=name: seen.append((name, len(g.nodes))) or add_unused_neg(g), applied=1)
+        for name in reversed(PASS_NAMES)
+    ]
+    report, _ = run(passes)
+    assert [name for name, _ in seen] == list(PASS_NAMES)
+    assert [count for _, count in seen] == [seen[0][1] + i for i in range(4)]
+    assert report.applied == dict.fromkeys(PASS_NAMES, 1)
+
+
+@pytest.mark.parametrize("name", PASS_NAMES)
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_disabled_pass_does_not_run_and_says_why(name: str, how: str) -> None:
+    spies = [Spy(n, add_unused_neg, applied=1) for n in PASS_NAMES]
+    flags = {name: False} if how == "flag" else {}
+    env = {"HCPASSES_DISABLE": name} if how == "env" else {}
+    report, graph = run(spies, env=env, **flags)
+    record = report.record(name)
+    assert record.status == "disabled" and record.applied == 0 and record.seconds == 0
+    assert record.reason == (f"flag {name}=False" if how == "flag" else f"HCPASSES_DISABLE names {name}")
+    assert [s.calls for s in spies] == [int(s.name != name) for s in spies]
+    assert len(graph.nodes) == report.num_nodes_before + 3
+
+
+def test_every_pass_disabled_leaves_the_graph_as_it_was() -> None:
+    graph = traced(model).graph
+    program = node_program(graph)
+    spies = [Spy(n, add_unused_neg, applied=1) for n in PASS_NAMES]
+    report, _ = run(spies, graph, env={"HCPASSES_DISABLE": ",".join(PASS_NAMES)})
+    assert node_program(graph) == program
+    assert {r.status for r in report.passes} == {"disabled"} and not any(s.calls for s in spies)
+
+
+def test_autograd_graphs_run_no_pass_and_say_why() -> None:
+    spies = [Spy(n, add_unused_neg, applied=1) for n in PASS_NAMES]
+    report, graph = run(spies, autograd=True, cleanup=False)
+    assert report.variant == "autograd"
+    assert [(r.status, r.reason) for r in report.passes] == [
+        ("skipped", AUTOGRAD_REASON),
+        ("skipped", AUTOGRAD_REASON),
+        ("skipped", AUTOGRAD_REASON),
+        ("disabled", "flag cleanup=False"),
+    ]
+    assert not any(s.calls for s in spies) and report.num_nodes_after == report.num_nodes_before
+
+
+@pytest.mark.parametrize(
+    ("action", "applied", "reason"),
+    [
+        (lambda g: (swap_relu_for_abs(g), 1 / 0), 1, "rolled back: ZeroDivisionError: division by zero"),
+        (swap_relu_for_abs, 0, "rolled back: GraphVerificationError: the pass changed the graph but reported 0 rewrites"),
+        (None, 3, "rolled back: GraphVerificationError: the pass reported 3 rewrite(s) but left the graph unchanged"),
+        (half_rows_into_the_mul, 1, "rolled back: GraphVerificationError: node mul"),
+        (lambda g: (refresh_fake_values(g), half_rows_into_the_mul(g))[0], 1, "rolled back: GraphVerificationError: node"),
+    ],
+    ids=["raises", "silent change", "count without change", "bad shapes", "bad shapes after own propagation"],
+)
+def test_a_failing_pass_is_rolled_back_and_the_next_pass_runs(action, applied: int, reason: str, caplog) -> None:
+    graph = traced(model).graph
+    expected = traced(model).graph
+    add_unused_neg(expected)  # what the pass after it does to the restored graph
+    after = Spy("cleanup", add_unused_neg, applied=1)
+    with caplog.at_level(logging.WARNING, logger="hcpasses"):
+        report, _ = run([Spy("sp_rewrite", action, applied=applied), after], graph)
+    record = report.record("sp_rewrite")
+    assert record.status == "rolled_back" and record.applied == 0 and record.seconds > 0
+    assert record.reason.startswith(reason), record.reason
+    assert after.calls == 1 and report.record("cleanup").status == "applied"
+    assert node_program(graph) == node_program(expected)
+    warnings = [r for r in caplog.records if r.name == "hcpasses" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].getMessage() == f"hcpasses pass sp_rewrite {record.reason}"
+
+
+def test_a_rolled_back_graph_computes_what_it_did_before() -> None:
+    module = traced(model)
+    x, w = torch.randn(5, 4), torch.randn(4, 6)
+    report, _ = run([Spy("sp_rewrite", lambda g: (swap_relu_for_abs(g), 1 / 0), applied=1)], module.graph)
+    assert report.record("sp_rewrite").status == "rolled_back"
+    module.recompile()
+    torch.testing.assert_close(module(x, w), model(x, w))
+
+
+def test_the_real_pipeline_has_one_pass_per_flag() -> None:
+    assert [p.name for p in PIPELINE] == list(PASS_NAMES)
+    report, _ = run(PIPELINE)
+    assert [r.status for r in report.passes] == ["unchanged"] * 4
+
+
+def test_a_pass_without_a_flag_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"passes \['mystery'\] have no flag; flags are: canonical_forms, "):
+        PassManager(HCPassesConfig(), print, passes=[Spy("mystery")])
+
+
+def test_dumps_only_for_passes_that_changed_the_graph(tmp_path: Path) -> None:
+    passes = [
+        Spy("canonical_forms"),  # runs, unchanged
+        Spy("gated_mean_quant", add_unused_neg, applied=1),  # applied
+        Spy("sp_rewrite", lambda g: (swap_relu_for_abs(g), 1 / 0), applied=1),  # rolled back
+    ]
+    report, _ = run(passes, dump_dir=str(tmp_path), cleanup=False)  # cleanup disabled
+    folder = tmp_path / "graph_000"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph_000", "index.json", "index.md"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "2_gated_mean_quant.after.py",
+        "2_gated_mean_quant.before.py",
+        "2_gated_mean_quant.diff",
+    ]
+    assert report.record("gated_mean_quant").dump == "graph_000/2_gated_mean_quant.diff"
+    assert [r.dump for r in report.passes if r.name != "gated_mean_quant"] == [None, None, None]
+    before = (folder / "2_gated_mean_quant.before.py").read_text()
+    after = (folder / "2_gated_mean_quant.after.py").read_text()
+    assert "aten.neg" not in before and "aten.neg" in after and "aten.relu" in before
+    index = (tmp_path / "index.md").read_text()
+    for status in ("unchanged", "applied", "rolled_back", "disabled"):
+        assert f"| {status} |" in index
+
+
+def test_no_dump_dir_writes_nothing(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    run([Spy("gated_mean_quant", add_unused_neg, applied=1)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_uuid_is_stable_and_changes_with_flags_mode_passes_and_rank() -> None:
+    def uuid(passes=PIPELINE, autograd: bool = False, **flags) -> str:
+        return PassManager(HCPassesConfig(**flags), print, passes=passes, autograd=autograd).uuid()
+
+    base = uuid()
+    assert base == uuid() and len(base) == 64
+    variants = [uuid(**{name: False}) for name in PASS_NAMES]
+    variants += [uuid(sp_min_tokens=2048), uuid(dump_dir="d"), uuid(cudagraphs=True), uuid(autograd=True)]
+    variants += [uuid(passes=PIPELINE[:3]), uuid(passes=(*PIPELINE[:3], Spy("cleanup")))]
+    variants += [uuid(disabled_by_env=("cleanup",), cleanup=False)]
+    assert len({base, *variants}) == len(variants) + 1
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert uuid() != base
+    finally:
+        dist.destroy_process_group()
+
+
+def test_source_hash_covers_every_file_of_the_package(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    monkeypatch.setattr(manager_module, "_PACKAGE_DIR", tmp_path)
+    first = source_hash()
+    assert first == source_hash() and len(first) == 64
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    second = source_hash()
+    (tmp_path / "sub" / "b.py").rename(tmp_path / "sub" / "c.py")  # same bytes, another file
+    third = source_hash()
+    (tmp_path / "notes.txt").write_text("not source")
+    assert len({first, second, third}) == 3 and source_hash() == third
+
+
+def test_pass_fingerprint_names_the_class_and_hashes_its_file() -> None:
+    fingerprint = pass_fingerprint(DeadCodeCleanup())
+    module, digest = fingerprint.split(":")
+    assert module == "hcpasses.cleanup.DeadCodeCleanup"
+    assert digest == __import__("hashlib").sha256(Path(manager_module.__file__).with_name("cleanup.py").read_bytes()).hexdigest()
+    assert pass_fingerprint(Spy("cleanup")).startswith(f"{__name__}.Spy:")
