@@ -66,7 +66,9 @@ class HCPassesConfig:
             raise ValueError(f"hcpasses flag 'dump_dir' must be a non-empty path string or None, got {self.dump_dir!r}")
         unknown = sorted(set(self.disabled_by_env) - set(PASS_NAMES))
         if unknown:
-            raise ValueError(f"disabled_by_env names unknown pass(es) {unknown}; valid passes are: {', '.join(PASS_NAMES)}")
+            raise ValueError(
+                f"disabled_by_env names unknown pass(es) {unknown}; valid passes are: {', '.join(PASS_NAMES)}"
+            )
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:

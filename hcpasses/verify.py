@@ -62,7 +62,9 @@ def _check_value(node: fx.Node, recorded: Any, fresh: Any) -> None:
         for rec, new in zip(recorded, fresh, strict=True):
             _check_value(node, rec, new)
     elif isinstance(recorded, (list, tuple)):
-        raise GraphVerificationError(f"node {node.name}: recorded a {type(recorded).__name__}, re-propagation gave {type(fresh)}")
+        raise GraphVerificationError(
+            f"node {node.name}: recorded a {type(recorded).__name__}, re-propagation gave {type(fresh)}"
+        )
 
 
 class _FakeRepropagation(fx.Interpreter):

@@ -5,6 +5,7 @@ are the fast tests the mutation run (docs/TESTING.md) uses for ``manager.py``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -62,7 +63,9 @@ def half_rows_into_the_mul(graph: fx.Graph) -> None:
     first_node(graph, aten.mul.Tensor).replace_input_with(relu, half)
 
 
-def run(passes, graph: fx.Graph | None = None, autograd: bool = False, env=None, **flags) -> tuple[GraphReport, fx.Graph]:
+def run(
+    passes, graph: fx.Graph | None = None, autograd: bool = False, env=None, **flags
+) -> tuple[GraphReport, fx.Graph]:
     graph = graph if graph is not None else traced(model).graph
     reports: list[GraphReport] = []
     config = HCPassesConfig.resolve(env=env or {}, **flags)
@@ -123,7 +126,7 @@ def test_every_pass_disabled_leaves_the_graph_as_it_was() -> None:
 
 def test_autograd_graphs_run_no_pass_and_say_why() -> None:
     spies = [Spy(n, add_unused_neg, applied=1) for n in PASS_NAMES]
-    report, graph = run(spies, autograd=True, cleanup=False)
+    report, _ = run(spies, autograd=True, cleanup=False)
     assert report.variant == "autograd"
     assert [(r.status, r.reason) for r in report.passes] == [
         ("skipped", AUTOGRAD_REASON),
@@ -138,10 +141,18 @@ def test_autograd_graphs_run_no_pass_and_say_why() -> None:
     ("action", "applied", "reason"),
     [
         (lambda g: (swap_relu_for_abs(g), 1 / 0), 1, "rolled back: ZeroDivisionError: division by zero"),
-        (swap_relu_for_abs, 0, "rolled back: GraphVerificationError: the pass changed the graph but reported 0 rewrites"),
+        (
+            swap_relu_for_abs,
+            0,
+            "rolled back: GraphVerificationError: the pass changed the graph but reported 0 rewrites",
+        ),
         (None, 3, "rolled back: GraphVerificationError: the pass reported 3 rewrite(s) but left the graph unchanged"),
         (half_rows_into_the_mul, 1, "rolled back: GraphVerificationError: node mul"),
-        (lambda g: (refresh_fake_values(g), half_rows_into_the_mul(g))[0], 1, "rolled back: GraphVerificationError: node"),
+        (
+            lambda g: (refresh_fake_values(g), half_rows_into_the_mul(g))[0],
+            1,
+            "rolled back: GraphVerificationError: node",
+        ),
     ],
     ids=["raises", "silent change", "count without change", "bad shapes", "bad shapes after own propagation"],
 )
@@ -248,5 +259,6 @@ def test_pass_fingerprint_names_the_class_and_hashes_its_file() -> None:
     fingerprint = pass_fingerprint(DeadCodeCleanup())
     module, digest = fingerprint.split(":")
     assert module == "hcpasses.cleanup.DeadCodeCleanup"
-    assert digest == __import__("hashlib").sha256(Path(manager_module.__file__).with_name("cleanup.py").read_bytes()).hexdigest()
+    source = Path(manager_module.__file__).with_name("cleanup.py").read_bytes()
+    assert digest == hashlib.sha256(source).hexdigest()
     assert pass_fingerprint(Spy("cleanup")).startswith(f"{__name__}.Spy:")

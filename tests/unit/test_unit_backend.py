@@ -1,0 +1,260 @@
+"""The backend's decisions with Inductor stubbed out: which graphs are compiled how (sharded / unsharded / CUDA
+graphs / autograd), the dispatch on the token count at its threshold, the reports it stores and reloads. The
+compile itself is a stub that runs the pass manager Inductor would be given on a traced graph. Fast tests for
+the mutation run (docs/TESTING.md); ``tests/test_promises.py`` checks the same promises through real compiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from unit_graphs import first_node, traced
+
+import hcpasses
+from hcpasses.backend import (
+    HCPassesBackend,
+    TokenCount,
+    TokenDispatch,
+    compile_with_defaults,
+    default_backend,
+    is_autograd_compile,
+    symbol_position,
+)
+from hcpasses.config import HCPassesConfig
+from hcpasses.graph_pass import GraphPass, PassResult
+
+backend_module = sys.modules["hcpasses.backend"]
+aten = torch.ops.aten
+
+
+def dynamo_like(fn, *inputs: Any) -> fx.GraphModule:
+    """A graph whose placeholders carry ``example_value`` with symbolic sizes, as Dynamo's do."""
+    gm = make_fx(fn, tracing_mode="symbolic")(*inputs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["example_value"] = node.meta["val"]
+    return gm
+
+
+def tokens_and_width(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (x.sum(-1) + y.sum(-1)).unsqueeze(-1)
+
+
+def size_symbols(gm: fx.GraphModule) -> list[str]:
+    return [str(s) for n in gm.graph.nodes if n.op == "placeholder" for s in n.meta["example_value"].shape]
+
+
+def test_symbol_position_finds_int_inputs_first_then_tensor_dims() -> None:
+    gm = dynamo_like(tokens_and_width, torch.randn(5, 3), torch.randn(5, 4))
+    t, w, t2, v = size_symbols(gm)
+    assert t == t2 and w != v
+    assert symbol_position(gm, t) == (0, 0)
+    assert symbol_position(gm, w) == (0, 1)
+    assert symbol_position(gm, v) == (1, 1)
+    assert symbol_position(gm, "s999") is None
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with gm.graph.inserting_before(first):
+        count = gm.graph.placeholder("count")
+    count.meta["example_value"] = first.meta["example_value"].shape[1]  # a SymInt input carrying the width
+    assert symbol_position(gm, w) == (0, None)
+
+
+def test_token_count_evaluates_its_expression_from_the_inputs() -> None:
+    gm = dynamo_like(tokens_and_width, torch.randn(5, 3), torch.randn(5, 4))
+    t, w, _, v = size_symbols(gm)
+    count = TokenCount.find(gm, f"{t}*{w} + {v}")
+    assert count is not None and count.expression == f"{t}*{w} + {v}"
+    assert count([torch.empty(7, 2), torch.empty(7, 10)]) == 7 * 2 + 10
+    assert TokenCount.find(gm, f"{t}*s999") is None
+    assert TokenCount({"s0": (1, None)} and "s0", {"s0": (1, None)})([None, 12]) == 12
+
+
+@pytest.mark.parametrize(("tokens", "variant"), [(15, "unsharded"), (16, "sharded"), (17, "sharded"), (1, "unsharded")])
+def test_dispatch_runs_the_sharded_graph_from_the_threshold_up(tokens: int, variant: str) -> None:
+    count = TokenCount("s0", {"s0": (0, 0)})
+    dispatch = TokenDispatch(lambda *a: ("sharded", a), lambda *a: ("unsharded", a), count, min_tokens=16)
+    x = torch.empty(tokens, 2)
+    assert dispatch(x, 3) == (variant, (x, 3))
+    assert dispatch.calls == {"sharded": int(variant == "sharded"), "unsharded": int(variant == "unsharded")}
+
+
+def test_is_autograd_compile() -> None:
+    gm = traced(lambda x, w: x @ w)
+    plain, wants_grad = torch.randn(2), torch.randn(2, requires_grad=True)
+    assert not is_autograd_compile(gm, [plain])
+    assert is_autograd_compile(gm, [plain, wants_grad, 3])
+    with torch.no_grad():
+        assert not is_autograd_compile(gm, [wants_grad])
+    gm.register_parameter("p", torch.nn.Parameter(torch.randn(2)))
+    assert is_autograd_compile(gm, [plain])
+    gm.p.requires_grad_(False)
+    assert not is_autograd_compile(gm, [plain])
+
+
+class FakeSP(GraphPass):
+    """Stands in for the SP rewrite: adds a node and says it sharded, over ``symbol`` when T is symbolic."""
+
+    name = "sp_rewrite"
+
+    def __init__(self, symbol: str | None, applies: bool = True) -> None:
+        self.symbol, self.applies = symbol, applies
+
+    def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
+        if not self.applies:
+            return PassResult(0, "no HC block")
+        relu = first_node(graph, aten.relu.default)
+        with graph.inserting_after(relu):
+            graph.call_function(aten.neg.default, (relu,)).meta["val"] = relu.meta["val"]
+        return PassResult(1, facts={"symbolic_tokens": self.symbol} if self.symbol else {})
+
+
+class Compiles:
+    """``compile_fx`` stubbed: records each call's config patches and runs its pass manager on a traced graph,
+    unless ``cache_hit`` (then no pass runs, as on an Inductor cache hit)."""
+
+    def __init__(self) -> None:
+        self.patches: list[dict[str, Any]] = []
+        self.cache_hit = False
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], config_patches: dict[str, Any]) -> Any:
+        self.patches.append(config_patches)
+        if not self.cache_hit:
+            config_patches["post_grad_custom_pre_pass"](traced(lambda x, w: torch.relu(x @ w)).graph)
+        number = len(self.patches)
+        return lambda *args: (number, args)
+
+
+@pytest.fixture
+def compiles(monkeypatch, tmp_path: Path) -> Compiles:
+    stub = Compiles()
+    monkeypatch.setattr(backend_module, "compile_fx", stub)
+    monkeypatch.setattr(backend_module.tempfile, "gettempdir", lambda: str(tmp_path))
+    return stub
+
+
+def make_backend(symbol: str | None = None, applies: bool = True, **flags: Any) -> HCPassesBackend:
+    return HCPassesBackend(HCPassesConfig.resolve(env={}, **flags), passes=[FakeSP(symbol, applies)])
+
+
+def graph_and_inputs(rows: int = 6) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    gm = dynamo_like(tokens_and_width, torch.randn(rows, 3), torch.randn(rows, 4))
+    return gm, [torch.randn(rows, 3), torch.randn(rows, 4)]
+
+
+def manager_flags(patches: dict[str, Any]) -> tuple[bool, bool, bool]:
+    manager = patches["post_grad_custom_pre_pass"]
+    return manager.config.sp_rewrite, manager.autograd, patches["triton.cudagraphs"]
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_symbolic_tokens_compile_a_sharded_and_an_unsharded_variant(compiles: Compiles, cudagraphs: bool) -> None:
+    gm, inputs = graph_and_inputs()
+    be = make_backend(size_symbols(gm)[0], sp_min_tokens=6, cudagraphs=cudagraphs)
+    compiled = be(gm, inputs)
+    assert isinstance(compiled, TokenDispatch) and be.dispatchers == [compiled]
+    assert [manager_flags(p) for p in compiles.patches] == [(True, False, False), (False, False, cudagraphs)]
+    assert [r.variant for r in be.reports] == ["sharded", "unsharded"] and [r.index for r in be.reports] == [0, 1]
+    assert compiled.min_tokens == 6
+    assert compiled(torch.empty(5, 3), torch.empty(5, 4))[0] == 2  # the second compile: unsharded
+    assert compiled(torch.empty(6, 3), torch.empty(6, 4))[0] == 1
+    assert compiled.calls == {"sharded": 1, "unsharded": 1}
+
+
+def test_static_sharded_graph_is_compiled_once_and_never_with_cuda_graphs(compiles: Compiles) -> None:
+    gm, inputs = graph_and_inputs()
+    be = make_backend(None, cudagraphs=True)
+    compiled = be(gm, inputs)
+    assert [manager_flags(p) for p in compiles.patches] == [(True, False, False)]
+    assert compiled(1)[0] == 1 and be.dispatchers == [] and [r.variant for r in be.reports] == ["only"]
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_unsharded_graph_is_recompiled_with_cuda_graphs_only_when_asked(compiles: Compiles, cudagraphs: bool) -> None:
+    gm, inputs = graph_and_inputs()
+    be = make_backend(None, applies=False, cudagraphs=cudagraphs)
+    compiled = be(gm, inputs)
+    expected = [(True, False, False)] + ([(False, False, True)] if cudagraphs else [])
+    assert [manager_flags(p) for p in compiles.patches] == expected
+    assert compiled()[0] == len(expected)
+    assert [r.variant for r in be.reports] == ["only", "cudagraphs"][: len(expected)]
+
+
+def test_sp_off_by_flag_is_no_sharded_variant(compiles: Compiles) -> None:
+    gm, inputs = graph_and_inputs()
+    be = make_backend(size_symbols(gm)[0], sp_rewrite=False)
+    assert not isinstance(be(gm, inputs), TokenDispatch)
+    assert be.reports[0].record("sp_rewrite").status == "disabled"
+
+
+def test_autograd_compiles_once_with_the_autograd_pipeline(compiles: Compiles) -> None:
+    gm, inputs = graph_and_inputs()
+    be = make_backend(size_symbols(gm)[0], cudagraphs=True)
+    inputs[0].requires_grad_(True)
+    be(gm, inputs)
+    assert [manager_flags(p) for p in compiles.patches] == [(True, True, False)]
+    assert [r.variant for r in be.reports] == ["autograd"]
+    assert be.reports[0].record("sp_rewrite").status == "skipped"
+
+
+def test_a_token_count_not_among_the_inputs_stays_sharded_and_warns(compiles: Compiles, caplog) -> None:
+    gm, inputs = graph_and_inputs()
+    be = make_backend("s999")
+    with caplog.at_level(logging.WARNING, logger="hcpasses"):
+        compiled = be(gm, inputs)
+    assert len(compiles.patches) == 1 and not isinstance(compiled, TokenDispatch)
+    assert "cannot find the token count s999 among the graph inputs; always sharded" in caplog.text
+
+
+def test_dumps_turn_off_every_cache(compiles: Compiles, tmp_path: Path) -> None:
+    gm, inputs = graph_and_inputs()
+    make_backend(None, dump_dir=str(tmp_path / "dumps"))(gm, inputs)
+    make_backend(None)(gm, inputs)
+    assert [p.get("force_disable_caches") for p in compiles.patches] == [True, None]
+
+
+def test_a_cache_hit_reloads_the_stored_report_of_the_same_graph(compiles: Compiles) -> None:
+    gm, inputs = graph_and_inputs()
+    first = make_backend(size_symbols(gm)[0], sp_min_tokens=6)
+    first(gm, inputs)
+    compiles.cache_hit = True
+    again = make_backend(size_symbols(gm)[0], sp_min_tokens=6)
+    again(gm, inputs)
+    # the reloaded sharded report names the symbolic T: the unsharded variant is compiled (and reloaded) too
+    assert [(r.cached, r.variant, r.index) for r in again.reports] == [(True, "sharded", 0), (True, "unsharded", 1)]
+    assert [r.passes for r in again.reports] == [r.passes for r in first.reports]
+    assert again.reports[0].applied["sp_rewrite"] == 1 and again.reports[1].applied["sp_rewrite"] == 0
+    assert len(again.dispatchers) == 1
+    other = make_backend(size_symbols(gm)[0], sp_min_tokens=7)  # another config: another key, nothing stored
+    other(gm, inputs)
+    assert [(r.cached, r.passes, r.index) for r in other.reports] == [(True, [], 0)]
+
+
+def test_the_report_key_ignores_comments_but_not_code_inputs_or_config(compiles: Compiles) -> None:
+    be = make_backend(None)
+    gm, _ = graph_and_inputs()
+    key = be._report_key(gm, be.manager)
+    assert key == be._report_key(gm, be.manager) and len(key) == 64
+    gm.graph.nodes.__iter__().__next__().meta["example_value"] = torch.empty(2, 2)
+    assert be._report_key(gm, be.manager) != key
+    gm, _ = graph_and_inputs()
+    commented = type("G", (), {"code": "# moved\n" + gm.code, "graph": gm.graph})()
+    assert be._report_key(commented, be.manager) == key
+    assert be._report_key(gm, be.unsharded_manager) != key
+
+
+def test_backend_resolves_flags_and_the_default_backend_is_one_object(compiles: Compiles) -> None:
+    be = hcpasses.backend(sp_min_tokens=5)
+    assert be.config.sp_min_tokens == 5 and be.reports == [] and be.dispatchers == []
+    assert be.unsharded_manager.config.sp_rewrite is False and be.autograd_manager.autograd is True
+    assert default_backend() is default_backend()
+    gm, inputs = graph_and_inputs()
+    before = len(default_backend().reports)
+    compile_with_defaults(gm, inputs)
+    assert len(default_backend().reports) == before + 1
