@@ -34,6 +34,7 @@ from hcpasses.report import GraphReport
 from hcpasses.sp_rewrite import SPRewrite
 
 from .capture import RankDependentTrace, capture_ranks, capture_ranks_from_one_trace, copy_graph, count_calls
+from .side_effects import AuditedManager
 from .simulator import simulate
 
 c10d = torch.ops._c10d_functional
@@ -105,9 +106,9 @@ def capture_with_passes(
     )
     reports: list[GraphReport] = []
     snapshot = Snapshot(SPRewrite())
-    manager = PassManager(
-        config, reports.append, passes=(CanonicalForms(), GatedMeanQuantFusion(), snapshot, DeadCodeCleanup())
-    )
+    # Every run of the pipeline is audited: the passes must leave the graph's side effects as they were.
+    passes = (CanonicalForms(), GatedMeanQuantFusion(), snapshot, DeadCodeCleanup())
+    manager = AuditedManager(PassManager(config, reports.append, passes=passes), reports)
     captures = None
     if one_trace:
         if capture_kwargs.pop("codegen", False):
@@ -119,6 +120,8 @@ def capture_with_passes(
         captures = capture_ranks(build_fn, args_fn, tp, config_patches=patches, **capture_kwargs)
     if config.sp_rewrite and len(snapshot.graphs) != len(reports):
         raise RuntimeError(f"{len(reports)} graphs compiled but SP saw {len(snapshot.graphs)}")
+    if manager.audited != len(reports):
+        raise RuntimeError(f"{len(reports)} graphs compiled but {manager.audited} audited for side effects")
     per_rank = len(reports) // tp  # ranks compile in turn, each the same number of graphs
     return RankGraphs(
         graphs=[c[0].gm for c in captures],
