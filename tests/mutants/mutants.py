@@ -179,4 +179,58 @@ MUTANTS: tuple[Mutant, ...] = (
             return (""",
         tests=("tests/test_canonical.py::test_mhc_collapse_whose_rounding_torch_211_folds_is_found_not_fused",),
     ),
+    # The five promises of issue #23, broken as a refactor would break them (each was a planted fault that
+    # survived the suite on 2026-12-02); tests/test_promises.py holds the tests written against each promise.
+    Mutant(
+        name="dispatch_threshold_exclusive",
+        fault="with a symbolic T, T == sp_min_tokens runs the unsharded variant (the static path shards it)",
+        file="hcpasses/backend.py",
+        old="""        variant = "sharded" if self.tokens(args) >= self.min_tokens else "unsharded"
+""",
+        new="""        variant = "sharded" if self.tokens(args) > self.min_tokens else "unsharded"
+""",
+        tests=("tests/test_promises.py::test_symbolic_token_count_dispatches_at_the_threshold",),
+    ),
+    Mutant(
+        name="rollback_drops_kwargs",
+        fault="restore_graph rebuilds each node without its keyword arguments (dtype=, keepdim=, correction=)",
+        file="hcpasses/verify.py",
+        old="""            restored = graph.create_node(op, target, args, kwargs, name, type_)
+""",
+        new="""            restored = graph.create_node(op, target, args, {}, name, type_)
+""",
+        tests=("tests/test_promises.py::test_rolled_back_graph_compiles_to_what_eager_computes",),
+    ),
+    Mutant(
+        name="cleanup_ignores_disable",
+        fault="a disabled cleanup pass still runs (its record says unchanged or applied, not disabled)",
+        file="hcpasses/manager.py",
+        old="""        if not self.config.pass_enabled(name):
+""",
+        new="""        if not self.config.pass_enabled(name) and name != "cleanup":  # "cleanup is always safe"
+""",
+        tests=("tests/test_promises.py::test_every_pass_disabled_by_flag_or_env_does_not_run_and_says_why",),
+    ),
+    Mutant(
+        name="dumps_for_unchanged_passes",
+        fault="every pass that ran writes before / after / diff files, also when it left the graph unchanged",
+        file="hcpasses/manager.py",
+        old="""        if changed and dump is not None:
+""",
+        new="""        if dump is not None:
+""",
+        tests=("tests/test_promises.py::test_dumps_of_an_applied_an_unchanged_and_a_disabled_pass",),
+    ),
+    Mutant(
+        name="cleanup_erases_impure_nodes",
+        fault="cleanup erases every node whose result nothing uses, in-place writes and collectives included",
+        file="hcpasses/cleanup.py",
+        old="""        graph.eliminate_dead_code()  # FX's own DCE keeps impure nodes; no need for our own walk
+""",
+        new="""        for node in reversed(list(graph.nodes)):  # "an unused result is dead code"
+            if node.op == "call_function" and not node.users:
+                graph.erase_node(node)
+""",
+        tests=("tests/test_promises.py::test_mutations_survive_every_pass_at_tp2",),
+    ),
 )

@@ -121,11 +121,14 @@ class Compiles:
 
     def __init__(self) -> None:
         self.patches: list[dict[str, Any]] = []
+        self.seen: list[tuple[fx.GraphModule, list[Any]]] = []
         self.cache_hit = False
+        self.graphs_per_compile = 1
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], config_patches: dict[str, Any]) -> Any:
         self.patches.append(config_patches)
-        if not self.cache_hit:
+        self.seen.append((gm, example_inputs))
+        for _ in range(0 if self.cache_hit else self.graphs_per_compile):
             config_patches["post_grad_custom_pre_pass"](traced(lambda x, w: torch.relu(x @ w)).graph)
         number = len(self.patches)
         return lambda *args: (number, args)
@@ -209,7 +212,8 @@ def test_a_token_count_not_among_the_inputs_stays_sharded_and_warns(compiles: Co
     with caplog.at_level(logging.WARNING, logger="hcpasses"):
         compiled = be(gm, inputs)
     assert len(compiles.patches) == 1 and not isinstance(compiled, TokenDispatch)
-    assert "cannot find the token count s999 among the graph inputs; always sharded" in caplog.text
+    warning = "hcpasses: cannot find the token count s999 among the graph inputs; always sharded"
+    assert warning in [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_dumps_turn_off_every_cache(compiles: Compiles, tmp_path: Path) -> None:
@@ -258,3 +262,65 @@ def test_backend_resolves_flags_and_the_default_backend_is_one_object(compiles: 
     before = len(default_backend().reports)
     compile_with_defaults(gm, inputs)
     assert len(default_backend().reports) == before + 1
+
+
+def test_int_inputs_and_several_size_symbols() -> None:
+    gm, _ = graph_and_inputs()
+    be = make_backend(None)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_before(placeholders[0]):
+        steps = gm.graph.placeholder("steps")
+    steps.meta["example_value"] = 3
+    key = be._report_key(gm, be.manager)
+    steps.meta["example_value"] = 4  # another int input: another graph for Dynamo, another report
+    assert be._report_key(gm, be.manager) != key
+    tokens, width = placeholders[0].meta["example_value"].shape
+    with gm.graph.inserting_before(placeholders[0]):
+        gm.graph.placeholder("width").meta["example_value"] = width
+    steps.meta["example_value"] = tokens  # SymInt inputs: steps (0) carries T, width (1) the width
+    assert symbol_position(gm, str(width)) == (1, None)  # the second SymInt input, not the first
+    assert symbol_position(gm, str(tokens)) == (0, None)
+
+
+def test_dispatch_counts_every_call() -> None:
+    count = TokenCount("s0", {"s0": (0, None)})
+    dispatch = TokenDispatch(lambda *a: "sharded", lambda *a: "unsharded", count, min_tokens=4)
+    assert [dispatch(n) for n in (3, 4, 5, 1, 9)] == ["unsharded", "sharded", "sharded", "unsharded", "sharded"]
+    assert dispatch.calls == {"sharded": 3, "unsharded": 2}
+
+
+def test_every_variant_runs_the_backends_passes_and_gets_its_graph(compiles: Compiles) -> None:
+    passes = [FakeSP(None)]
+    be = HCPassesBackend(HCPassesConfig.resolve(env={}), passes=passes)
+    for manager in (be.manager, be.unsharded_manager, be.autograd_manager):
+        assert list(manager.passes.values()) == passes
+    assert be.inductor_config(be.manager) == {"post_grad_custom_pre_pass": be.manager, "triton.cudagraphs": False}
+    gm, inputs = graph_and_inputs()
+    be(gm, inputs)
+    assert compiles.seen == [(gm, inputs)]
+    inputs[0].requires_grad_(True)
+    compiled = be(gm, inputs)
+    assert compiled(7) == (2, (7,))  # the autograd compile's callable, not its reports
+
+
+def test_each_report_is_logged_at_info(compiles: Compiles, caplog) -> None:
+    gm, inputs = graph_and_inputs()
+    be = make_backend(None)
+    with caplog.at_level(logging.INFO, logger="hcpasses"):
+        be(gm, inputs)
+    assert f"hcpasses report\n{be.reports[0]}" in [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+
+
+def test_stored_reports_survive_a_missing_store_dir_and_several_graphs(
+    compiles: Compiles, monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setattr(backend_module.tempfile, "gettempdir", lambda: str(tmp_path / "not" / "yet"))
+    gm, inputs = graph_and_inputs()
+    compiles.graphs_per_compile = 2  # two graphs in one compile: one report each, stored together
+    first = make_backend(None)
+    first(gm, inputs)
+    compiles.cache_hit = True
+    again = make_backend(None)
+    again(gm, inputs)
+    assert [r.passes for r in again.reports] == [r.passes for r in first.reports] and len(again.reports) == 2
+    assert [(r.cached, r.index) for r in again.reports] == [(True, 0), (True, 1)]

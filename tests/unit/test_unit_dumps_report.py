@@ -125,3 +125,10 @@ def test_report_json_round_trip_keeps_every_field() -> None:
     again = GraphReport.from_json(report.to_json())
     assert again == report
     assert isinstance(again.passes[0].notes, tuple) and isinstance(again.passes[0], PassRecord)
+
+
+def test_graph_code_names_the_module_self() -> None:
+    module = torch.nn.Linear(3, 2)
+    gm = torch.fx.symbolic_trace(module)
+    code = graph_code(gm.graph)
+    assert "self.weight" in code and "self.bias" in code

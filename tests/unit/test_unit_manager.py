@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -262,3 +264,57 @@ def test_pass_fingerprint_names_the_class_and_hashes_its_file() -> None:
     source = Path(manager_module.__file__).with_name("cleanup.py").read_bytes()
     assert digest == hashlib.sha256(source).hexdigest()
     assert pass_fingerprint(Spy("cleanup")).startswith(f"{__name__}.Spy:")
+
+
+class ReadsConfig(GraphPass):
+    name = "sp_rewrite"
+
+    def __init__(self) -> None:
+        self.seen: list[HCPassesConfig] = []
+
+    def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
+        self.seen.append(config)
+        return PassResult(0, "nothing")
+
+
+def test_a_pass_reads_the_managers_config_and_its_time_is_its_own() -> None:
+    reader = ReadsConfig()
+    config = HCPassesConfig(sp_min_tokens=77)
+    reports: list[GraphReport] = []
+    PassManager(config, reports.append, passes=[reader])(traced(model).graph)
+    assert reader.seen == [config]
+    report, _ = run([Spy("sp_rewrite", lambda g: (swap_relu_for_abs(g), 1 / 0), applied=1), Spy("cleanup")])
+    assert all(0 <= r.seconds < 60 for r in report.passes)
+
+
+def test_the_graph_text_is_made_only_for_a_dump(monkeypatch) -> None:
+    def no_text(graph: fx.Graph) -> str:
+        raise AssertionError("graph_code called without a dump dir")
+
+    monkeypatch.setattr(manager_module, "graph_code", no_text)
+    report, _ = run([Spy("gated_mean_quant", add_unused_neg, applied=1)])
+    assert report.record("gated_mean_quant").status == "applied"
+
+
+def test_verification_starts_from_the_state_before_the_pass_or_its_own_propagation(monkeypatch) -> None:
+    seen: list[object] = []
+    real = manager_module.verify_graph
+
+    def spy(graph: fx.Graph, since=None) -> None:
+        seen.append(since)
+        real(graph, since=since)
+
+    monkeypatch.setattr(manager_module, "verify_graph", spy)
+    run([Spy("gated_mean_quant", add_unused_neg, applied=1)])
+    assert len(seen) == 1 and seen[0] is not None and len(seen[0].nodes) == 7  # the graph before the new node
+    seen.clear()
+    run([Spy("gated_mean_quant", lambda g: (add_unused_neg(g), refresh_fake_values(g))[1], applied=1)])
+    assert len(seen) == 1 and len(seen[0].nodes) == 8  # the pass's own propagation, after the new node
+
+
+def test_a_pass_whose_source_file_is_gone_is_fingerprinted_by_its_name(monkeypatch) -> None:
+    gone = types.ModuleType("gone_passes")
+    gone.__file__ = "/nonexistent/gone_passes.py"
+    monkeypatch.setitem(sys.modules, "gone_passes", gone)
+    vanished = type("Vanished", (Spy,), {"__module__": "gone_passes"})
+    assert pass_fingerprint(vanished("cleanup")) == f"gone_passes.Vanished:{hashlib.sha256(b'').hexdigest()}"

@@ -6,9 +6,12 @@ These are the fast tests the mutation run (docs/TESTING.md) uses for ``verify.py
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
 from unit_graphs import first_node, node_program, traced
 
 from hcpasses.verify import (
@@ -103,7 +106,7 @@ def test_verify_catches_a_value_of_another_kind(kind: str) -> None:
         match = "node relu: recorded a tensor, re-propagation gave <class 'tuple'>"
     else:
         relu.meta["val"] = (relu.meta["val"], relu.meta["val"])
-        match = "node relu: recorded a tuple, re-propagation gave <class"
+        match = "node relu: recorded a tuple, re-propagation gave <class 'torch._subclasses.fake_tensor.FakeTensor'>"
     with pytest.raises(GraphVerificationError, match=match):
         verify_graph(graph)
 
@@ -211,3 +214,124 @@ def test_restore_refuses_a_graph_whose_input_was_removed() -> None:
     graph.erase_node(w)
     with pytest.raises(RuntimeError, match=r"cannot roll back: graph inputs \['w_1'\] were removed by the pass"):
         restore_graph(graph, state)
+
+
+def stale_elsewhere(graph: fx.Graph) -> fx.Node:
+    """Give the last ``add`` a wrong record: a node no pass touched, which incremental checks must not run again."""
+    add = [n for n in graph.nodes if n.target == aten.add.Tensor][-1]
+    add.meta["val"] = add.meta["val"][:1]
+    return add
+
+
+def test_verification_since_a_state_runs_only_what_changed() -> None:
+    """A stale record on a node no pass touched is not checked again (a full run would fail on it): the check
+    costs the touched nodes, not the graph. A rewired node whose value stays the same does not pull in its users."""
+    graph = traced(with_kwargs).graph
+    stale_elsewhere(graph)
+    with pytest.raises(GraphVerificationError):
+        verify_graph(graph)  # the whole graph: the stale record fails
+    state = graph_state(graph)
+    mm, exp = first_node(graph, aten.mm.default), first_node(graph, aten.exp.default)
+    with graph.inserting_after(mm):
+        same_rows = graph.call_function(aten.relu.default, (mm,))
+    exp.replace_input_with(first_node(graph, aten.relu.default), same_rows)
+    verify_graph(graph, since=state)  # runs the new relu and exp, not exp's user (the stale add)
+    assert tuple(same_rows.meta["val"].shape) == (5, 6)
+
+
+def test_refresh_since_a_state_leaves_untouched_records_alone() -> None:
+    graph = traced(with_kwargs).graph
+    add = stale_elsewhere(graph)
+    stale = add.meta["val"]
+    state = graph_state(graph)
+    mm = first_node(graph, aten.mm.default)
+    with graph.inserting_after(mm):
+        neg = graph.call_function(aten.neg.default, (mm,))
+    assert refresh_fake_values(graph, since=state) is not None
+    assert add.meta["val"] is stale and tuple(neg.meta["val"].shape) == (5, 6)
+    refresh_fake_values(graph)  # every node: the stale record is replaced by what its inputs give
+    assert tuple(add.meta["val"].shape) == (6,)
+
+
+def test_a_placeholder_given_a_new_record_is_read_not_run() -> None:
+    graph = traced(with_kwargs).graph
+    state = graph_state(graph)
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    x.meta["val"] = x.meta["val"].clone()  # a new object, same metadata: x and its users are touched
+    assert x in state.touched(graph)
+    verify_graph(graph, since=state)
+    assert refresh_fake_values(graph, since=state) is not None
+
+
+def test_refresh_records_a_value_of_another_kind_or_size() -> None:
+    """One output becoming two, two becoming one, an int changing, a tuple's element changing size."""
+    graph = traced(with_kwargs).graph
+    relu, var_mean = first_node(graph, aten.relu.default), first_node(graph, aten.var_mean.correction)
+    mm = first_node(graph, aten.mm.default)
+    with graph.inserting_after(mm):
+        rows = graph.call_function(aten.slice.Tensor, (mm, 0, 0, 3))
+    relu.args = (rows,)
+    with graph.inserting_before(graph.output_node()):
+        number = graph.call_function(operator.add, (2, 3))
+    number.meta["val"] = 99
+    refresh_fake_values(graph)
+    assert tuple(var_mean.meta["val"][0].shape) == (6,) and number.meta["val"] == 5
+    assert tuple(relu.meta["val"].shape) == (3, 6)
+    kept = var_mean.meta["val"]
+    refresh_fake_values(graph)
+    assert var_mean.meta["val"] is kept  # the same metadata again: the record stays
+    graph = traced(lambda x, w: (x @ w).neg()).graph
+    neg = first_node(graph, aten.neg.default)
+    neg.target = aten.var_mean.correction  # a tensor recorded, a tuple comes
+    refresh_fake_values(graph)
+    assert isinstance(neg.meta["val"], tuple) and len(neg.meta["val"]) == 2
+
+
+def test_verification_of_a_tuple_names_the_node_and_checks_each_element() -> None:
+    graph = traced(with_kwargs).graph
+    var_mean = first_node(graph, aten.var_mean.correction)
+    var, mean = var_mean.meta["val"]
+    var_mean.meta["val"] = (var, mean[:2])
+    with pytest.raises(
+        GraphVerificationError, match=r"node var_mean \(aten.var_mean.correction\): meta records \(2,\)"
+    ):
+        verify_graph(graph)
+
+
+def test_symbolic_sizes_verify_and_a_static_record_of_one_does_not() -> None:
+    module = make_fx(with_kwargs, tracing_mode="symbolic")(torch.randn(5, 4), torch.randn(4, 6))
+    graph = module.graph
+    verify_graph(graph)
+    state = graph_state(graph)
+    relu = first_node(graph, aten.relu.default)
+    with graph.inserting_after(relu):
+        graph.call_function(aten.neg.default, (relu,))
+    verify_graph(graph, since=state)
+    exp = first_node(graph, aten.exp.default)
+    exp.meta["val"] = torch.empty(5, 6, device="meta")  # static sizes where the inputs give symbolic ones
+    with pytest.raises(GraphVerificationError, match="node exp"):
+        verify_graph(graph)
+
+
+def test_a_graph_without_a_module_is_linted_only() -> None:
+    owned = traced(with_kwargs).graph
+    loose = fx.Graph()
+    loose.graph_copy(owned, {})  # fake values copied, no owning module to run them with
+    assert loose.owning_module is None
+    verify_graph(loose)
+    verify_graph(loose, since=graph_state(loose))
+    assert refresh_fake_values(loose) is None
+
+
+def test_restore_keeps_custom_names_and_type_annotations() -> None:
+    graph = traced(with_kwargs).graph
+    relu = first_node(graph, aten.relu.default)
+    relu.name = "custom_activation"
+    relu.type = torch.Tensor
+    graph.output_node().type = tuple
+    state = graph_state(graph)
+    relu.target = aten.abs.default
+    restore_graph(graph, state)
+    restored = first_node(graph, aten.relu.default)
+    assert restored.name.startswith("custom_activation") and restored.type is torch.Tensor
+    assert graph.output_node().type is tuple
