@@ -217,8 +217,9 @@ def test_restore_refuses_a_graph_whose_input_was_removed() -> None:
 
 
 def stale_elsewhere(graph: fx.Graph) -> fx.Node:
-    """Give the last ``add`` a wrong record: a node no pass touched, which incremental checks must not run again."""
-    add = [n for n in graph.nodes if n.target == aten.add.Tensor][-1]
+    """Give the ``add`` of ``y * 2 + y.exp()`` a wrong record: a node no pass touched, which incremental checks
+    must not run again."""
+    add = next(n for n in graph.nodes if n.target == aten.add.Tensor)
     add.meta["val"] = add.meta["val"][:1]
     return add
 
@@ -235,7 +236,7 @@ def test_verification_since_a_state_runs_only_what_changed() -> None:
     with graph.inserting_after(mm):
         same_rows = graph.call_function(aten.relu.default, (mm,))
     exp.replace_input_with(first_node(graph, aten.relu.default), same_rows)
-    verify_graph(graph, since=state)  # runs the new relu and exp, not exp's user (the stale add)
+    verify_graph(graph, since=state)  # runs the new relu and exp; exp's value stands, so not its user (the stale add)
     assert tuple(same_rows.meta["val"].shape) == (5, 6)
 
 
@@ -250,7 +251,7 @@ def test_refresh_since_a_state_leaves_untouched_records_alone() -> None:
     assert refresh_fake_values(graph, since=state) is not None
     assert add.meta["val"] is stale and tuple(neg.meta["val"].shape) == (5, 6)
     refresh_fake_values(graph)  # every node: the stale record is replaced by what its inputs give
-    assert tuple(add.meta["val"].shape) == (6,)
+    assert tuple(add.meta["val"].shape) == (5, 6)
 
 
 def test_a_placeholder_given_a_new_record_is_read_not_run() -> None:
@@ -264,19 +265,19 @@ def test_a_placeholder_given_a_new_record_is_read_not_run() -> None:
 
 
 def test_refresh_records_a_value_of_another_kind_or_size() -> None:
-    """One output becoming two, two becoming one, an int changing, a tuple's element changing size."""
+    """A tuple's elements changing size, an int changing, one output becoming two, two becoming one."""
     graph = traced(with_kwargs).graph
     relu, var_mean = first_node(graph, aten.relu.default), first_node(graph, aten.var_mean.correction)
     mm = first_node(graph, aten.mm.default)
     with graph.inserting_after(mm):
-        rows = graph.call_function(aten.slice.Tensor, (mm, 0, 0, 3))
-    relu.args = (rows,)
+        columns = graph.call_function(aten.slice.Tensor, (mm, 1, 0, 3))
+    relu.args = (columns,)
     with graph.inserting_before(graph.output_node()):
         number = graph.call_function(operator.add, (2, 3))
     number.meta["val"] = 99
     refresh_fake_values(graph)
-    assert tuple(var_mean.meta["val"][0].shape) == (6,) and number.meta["val"] == 5
-    assert tuple(relu.meta["val"].shape) == (3, 6)
+    assert tuple(var_mean.meta["val"][0].shape) == (3,) and number.meta["val"] == 5
+    assert tuple(relu.meta["val"].shape) == (5, 3)
     kept = var_mean.meta["val"]
     refresh_fake_values(graph)
     assert var_mean.meta["val"] is kept  # the same metadata again: the record stays
@@ -285,6 +286,11 @@ def test_refresh_records_a_value_of_another_kind_or_size() -> None:
     neg.target = aten.var_mean.correction  # a tensor recorded, a tuple comes
     refresh_fake_values(graph)
     assert isinstance(neg.meta["val"], tuple) and len(neg.meta["val"]) == 2
+    graph = traced(lambda x: x.neg(), (2, 3)).graph
+    neg = first_node(graph, aten.neg.default)
+    neg.meta["val"] = tuple(neg.meta["val"])  # two [3] rows recorded where one [2, 3] tensor comes
+    refresh_fake_values(graph)
+    assert isinstance(neg.meta["val"], torch.Tensor) and tuple(neg.meta["val"].shape) == (2, 3)
 
 
 def test_verification_of_a_tuple_names_the_node_and_checks_each_element() -> None:
@@ -321,6 +327,7 @@ def test_a_graph_without_a_module_is_linted_only() -> None:
     verify_graph(loose)
     verify_graph(loose, since=graph_state(loose))
     assert refresh_fake_values(loose) is None
+    assert refresh_fake_values(loose, since=graph_state(loose)) is None
 
 
 def test_restore_keeps_custom_names_and_type_annotations() -> None:
