@@ -41,6 +41,8 @@ class HCPassesConfig:
         dump_dir: where graph diff dumps go; ``None`` writes none.
         cudagraphs: capture the unsharded graphs (T < sp_min_tokens: decode sizes) as CUDA graphs,
             like ``mode="reduce-overhead"``; sharded graphs are never captured.
+        disabled_by_env: not a flag (``resolve`` refuses it): the passes ``HCPASSES_DISABLE`` turned off, in
+            pipeline order, so that a report gives the environment as the reason, not a flag the user never set.
     """
 
     canonical_forms: bool = True
@@ -50,7 +52,6 @@ class HCPassesConfig:
     sp_min_tokens: int = 1024
     dump_dir: str | None = None
     cudagraphs: bool = False
-    # Not a flag: the passes that HCPASSES_DISABLE turned off, so a report names the real reason.
     disabled_by_env: tuple[str, ...] = dataclasses.field(default=(), metadata={"flag": False})
 
     def __post_init__(self) -> None:
