@@ -27,7 +27,7 @@ aten = torch.ops.aten
 
 
 def with_kwargs(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kwargs (``dtype=``, ``keepdim=``), a node with several users, a node with several outputs."""
+    """kwargs in the traced graph (``dtype=``, ``correction=``), a node with several users, one with two outputs."""
     y = torch.relu(x @ w)
     total = torch.sum(y, dim=1, keepdim=True, dtype=torch.float64)
     mean, var = torch.var_mean(y, dim=0, correction=0)
@@ -43,7 +43,8 @@ def test_state_of_an_unchanged_graph_differs_in_nothing() -> None:
 
 
 def test_each_kind_of_change_is_a_structural_change() -> None:
-    """A new node, a removed node, a new target, new args, new kwargs, another order: each is a change."""
+    """A new node, a new target, new kwargs, new args, another order: each is a change; a node added and erased
+    again is none."""
     changes = [
         lambda g, relu: relu.append(g.call_function(aten.neg.default, (relu,))),
         lambda g, relu: setattr(relu, "target", aten.abs.default),
