@@ -4,11 +4,16 @@
     python tests/mutants/mutmut_score.py                 # every mutant (1195: 12 min on 2 cores)
     python tests/mutants/mutmut_score.py --sample        # the fixed sample CI runs (numbered *0 and *5: 209)
     python tests/mutants/mutmut_score.py --floor 90      # fail below this score (percent)
+    python tests/mutants/mutmut_score.py --scope passes  # canonical.py and the SP region analysis (slower tests)
 
 Runs ``mutmut run`` from the repository root (mutmut writes its copy to ``mutants/``, ignored by git), reads each
 mutant's status back with ``mutmut results --all true``, and prints the score per module and the survivors, each
 with its note from ``EQUIVALENT`` where one says why no test can kill it. Score = (killed + timeout) / mutants
 run: a mutant that makes the tests hang is caught too. Exits 1 when the score is below ``--floor``.
+
+``--scope passes`` mutates ``canonical.py`` and ``sp/region.py`` instead, judged by their own tests (graphs captured
+through Inductor): it runs in a copy of the working tree under ``mutants-passes/`` (ignored by git) whose
+``[tool.mutmut]`` names those modules and tests, as mutmut reads its configuration from the working directory only.
 """
 
 from __future__ import annotations
@@ -16,12 +21,21 @@ from __future__ import annotations
 import argparse
 import collections
 import fnmatch
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# Other scopes than pyproject.toml's: the [tool.mutmut] keys a scope replaces.
+SCOPES: dict[str, dict[str, list[str]]] = {
+    "passes": {
+        "only_mutate": ["hcpasses/canonical.py", "hcpasses/sp/region.py"],
+        "pytest_add_cli_args_test_selection": ["tests/test_canonical.py", "tests/test_sp_parts.py"],
+    },
+}
 SAMPLE = ("*__mutmut_*0", "*__mutmut_*5")  # a sixth of the mutants, the same ones every run
 DETECTED = {"killed", "timeout"}
 RESULT = re.compile(r"^\s+(\S+): (.+)$")
@@ -103,21 +117,35 @@ EQUIVALENT: dict[str, str] = {
 }
 
 
-def run_mutmut(patterns: tuple[str, ...], jobs: int) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs), *patterns], cwd=ROOT, check=False
-    )
+def scope_copy(scope: str) -> Path:
+    """A copy of the working tree (tracked and untracked files git does not ignore) configured for ``scope``."""
+    dest = ROOT / f"mutants-{scope}"
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    for name in listed:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
+    pyproject = (dest / "pyproject.toml").read_text()
+    for key, value in SCOPES[scope].items():
+        pattern = rf"^{key} = \[.*?\]"
+        pyproject, count = re.subn(pattern, f"{key} = {json.dumps(value)}", pyproject, flags=re.M | re.S)
+        if count != 1:
+            raise SystemExit(f"pyproject.toml has no single [tool.mutmut] key {key!r} to replace")
+    (dest / "pyproject.toml").write_text(pyproject)
+    return dest
 
 
-def statuses(patterns: tuple[str, ...]) -> dict[str, str]:
+def run_mutmut(workdir: Path, patterns: tuple[str, ...], jobs: int) -> None:
+    command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs), *patterns]
+    subprocess.run(command, cwd=workdir, check=False)
+
+
+def statuses(workdir: Path, patterns: tuple[str, ...]) -> dict[str, str]:
     """Status of every mutant of the last run that matches ``patterns`` (all when empty)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    command = [sys.executable, "-m", "mutmut", "results", "--all", "true"]
+    out = subprocess.run(command, cwd=workdir, capture_output=True, text=True, check=True).stdout
     found = {}
     for line in out.splitlines():
         match = RESULT.match(line)
@@ -168,11 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor", type=float, default=0.0, help="fail below this score, in percent")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
     parser.add_argument("--no-run", action="store_true", help="report the last run's results only")
+    parser.add_argument("--scope", choices=sorted(SCOPES), help="mutate another scope than pyproject.toml's")
     args = parser.parse_args(argv)
     patterns = SAMPLE if args.sample else ()
+    workdir = ROOT
+    if args.scope:
+        workdir = ROOT / f"mutants-{args.scope}" if args.no_run else scope_copy(args.scope)
     if not args.no_run:
-        run_mutmut(patterns, args.jobs)
-    found = statuses(patterns)
+        run_mutmut(workdir, patterns, args.jobs)
+    found = statuses(workdir, patterns)
     if not found:
         print("no mutant results: did mutmut run?")
         return 1
