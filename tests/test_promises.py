@@ -241,9 +241,8 @@ def test_every_pass_disabled_by_flag_or_env_does_not_run_and_says_why() -> None:
 
 def test_dumps_of_an_applied_an_unchanged_and_a_disabled_pass(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HCPASSES_DISABLE", "sp_rewrite")
-    be = hcpasses.backend(dump_dir=str(tmp_path))  # canonical_forms and cleanup: unchanged on this graph
-    passes = (PIPELINE[0], AddUnusedNeg(), PIPELINE[2], PIPELINE[3])
-    be = hcpasses.HCPassesBackend(be.config, passes=passes)
+    config = HCPassesConfig.resolve(dump_dir=str(tmp_path))  # reads HCPASSES_DISABLE from the process
+    be = hcpasses.HCPassesBackend(config, passes=(PIPELINE[0], AddUnusedNeg(), PIPELINE[2], PIPELINE[3]))
     x, w = torch.randn(7, 5), torch.randn(5, 6)
     torch._dynamo.reset()
     torch.compile(kwargs_users_outputs, backend=be)(x, w)
