@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from harness import passes_run_every_compile
+from harness.graphs import first_node, node_program
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hcpasses
@@ -35,10 +36,6 @@ def fresh_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     # A fresh width per call gives a graph no earlier test (or run) put in Inductor's cache.
     width = random.randint(3, 10_000)
     return torch.randn(5, width), torch.randn(width, width)
-
-
-def first_node(graph: fx.Graph, target: object) -> fx.Node:
-    return next(n for n in graph.nodes if n.target == target)
 
 
 class AddUnusedNode(GraphPass):
@@ -267,12 +264,6 @@ def test_restore_graph_undoes_erased_rewired_new_and_retargeted_nodes() -> None:
     assert node_program(graph) == program  # restored nodes are new objects, their names may take a suffix
     assert [n for n in graph.nodes if n.op == "placeholder"] == placeholders  # the very same input nodes
     assert all(n.meta.get("val") is value for n, value in zip(graph.nodes, values, strict=True))
-
-
-def node_program(graph: fx.Graph) -> list[tuple[object, ...]]:
-    """Each node's op, target and arguments, nodes written as their positions: the program without names."""
-    position = {node: index for index, node in enumerate(graph.nodes)}
-    return [(n.op, n.target, fx.map_arg((n.args, n.kwargs), position.__getitem__)) for n in graph.nodes]
 
 
 def test_dumps_only_for_passes_that_changed_the_graph(tmp_path) -> None:

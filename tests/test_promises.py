@@ -20,6 +20,7 @@ from corpus.gated_residual import UserHC
 from corpus.spelled import BlockSpelling, SpelledHC
 from harness import compile_without_codegen, fake_process_group, passes_run_every_compile
 from harness.capture import capture_ranks_from_one_trace, copy_graph
+from harness.graphs import add_unused_neg, first_node, node_program
 
 import hcpasses
 from hcpasses.config import PASS_NAMES, HCPassesConfig
@@ -100,10 +101,6 @@ def kwargs_users_outputs(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor
     return total, y * 2 + y.exp(), mean - var
 
 
-def first(graph: fx.Graph, target: object) -> fx.Node:
-    return next(n for n in graph.nodes if n.target == target)
-
-
 class DropKwargsRewireThenRaise(GraphPass):
     """Changes every kind of thing a rollback must restore, then fails."""
 
@@ -113,11 +110,11 @@ class DropKwargsRewireThenRaise(GraphPass):
         for node in graph.nodes:
             if node.kwargs:
                 node.kwargs = {}  # sum in float32, var_mean with the default correction
-        relu = first(graph, aten.relu.default)
+        relu = first_node(graph, aten.relu.default)
         with graph.inserting_after(relu):
             neg = graph.call_function(aten.neg.default, (relu,))
         relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
-        var_mean = first(graph, aten.var_mean.correction)
+        var_mean = first_node(graph, aten.var_mean.correction)
         for user in list(var_mean.users):
             user.args = (var_mean, 1 - user.args[1])  # swap the two outputs
         raise RuntimeError("planted failure after the changes")
@@ -127,9 +124,7 @@ class AddUnusedNeg(GraphPass):
     name = "gated_mean_quant"
 
     def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
-        relu = first(graph, aten.relu.default)
-        with graph.inserting_after(relu):
-            graph.call_function(aten.neg.default, (relu,)).meta["val"] = relu.meta["val"]
+        add_unused_neg(graph)
         return PassResult(1)
 
 
@@ -176,11 +171,6 @@ class Spy(GraphPass):
         return result
 
 
-def program(graph: fx.Graph) -> list[tuple[Any, ...]]:
-    position = {node: index for index, node in enumerate(graph.nodes)}
-    return [(n.op, n.target, fx.map_arg((n.args, n.kwargs), position.__getitem__)) for n in graph.nodes]
-
-
 def run_pipelines(configs: dict[str, HCPassesConfig], passes: dict[str, Callable[[], list[GraphPass]]]) -> dict:
     """Rank 0's post-grad graph of the spelled HC model at tp 2, traced once; each config's pipeline runs on a
     copy. Returns per name: (report, program before, program after, spies)."""
@@ -193,9 +183,9 @@ def run_pipelines(configs: dict[str, HCPassesConfig], passes: dict[str, Callable
             copy = copy_graph(graph).graph
             reports: list[GraphReport] = []
             spies = [Spy(p) for p in passes[name]()]
-            before = program(copy)
+            before = node_program(copy)
             PassManager(config, reports.append, passes=spies)(copy)
-            results[name] = (reports[0], before, program(copy), spies)
+            results[name] = (reports[0], before, node_program(copy), spies)
 
     def build(rank: int, tp: int) -> torch.nn.Module:
         return SpelledHC([SPELLING, SPELLING], SPELLING, tp=tp, rank=rank)

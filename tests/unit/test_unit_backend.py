@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
+from harness.graphs import add_unused_neg, traced
 from torch.fx.experimental.proxy_tensor import make_fx
-from unit_graphs import first_node, traced
 
 import hcpasses
 from hcpasses.backend import (
@@ -73,7 +73,7 @@ def test_token_count_evaluates_its_expression_from_the_inputs() -> None:
     assert count is not None and count.expression == f"{t}*{w} + {v}"
     assert count([torch.empty(7, 2), torch.empty(7, 10)]) == 7 * 2 + 10
     assert TokenCount.find(gm, f"{t}*s999") is None
-    assert TokenCount({"s0": (1, None)} and "s0", {"s0": (1, None)})([None, 12]) == 12
+    assert TokenCount("s0", {"s0": (1, None)})([None, 12]) == 12
 
 
 @pytest.mark.parametrize(("tokens", "variant"), [(15, "unsharded"), (16, "sharded"), (17, "sharded"), (1, "unsharded")])
@@ -109,9 +109,7 @@ class FakeSP(GraphPass):
     def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
         if not self.applies:
             return PassResult(0, "no HC block")
-        relu = first_node(graph, aten.relu.default)
-        with graph.inserting_after(relu):
-            graph.call_function(aten.neg.default, (relu,)).meta["val"] = relu.meta["val"]
+        add_unused_neg(graph)
         return PassResult(1, facts={"symbolic_tokens": self.symbol} if self.symbol else {})
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
-from unit_graphs import traced
+from harness.graphs import traced
 
 from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import HCPassesConfig

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from unit_graphs import traced
+from harness.graphs import traced
 
 from hcpasses.dumps import GraphDump, graph_code, rank_dir
 from hcpasses.report import GraphReport, PassRecord

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from unit_graphs import first_node, node_program, traced
+from harness.graphs import add_unused_neg, first_node, node_program, traced
 
 from hcpasses import manager as manager_module
 from hcpasses.cleanup import DeadCodeCleanup
@@ -45,13 +45,6 @@ class Spy(GraphPass):
         self.calls += 1
         propagated = self.action(graph) if self.action else None
         return PassResult(self.applied, self.reason, ("a note",), {"fact": "1"}, propagated=propagated)
-
-
-def add_unused_neg(graph: fx.Graph) -> None:
-    relu = first_node(graph, aten.relu.default)
-    with graph.inserting_after(relu):
-        neg = graph.call_function(aten.neg.default, (relu,))
-    neg.meta["val"] = relu.meta["val"]
 
 
 def swap_relu_for_abs(graph: fx.Graph) -> None:

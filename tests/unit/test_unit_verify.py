@@ -11,8 +11,8 @@ import operator
 import pytest
 import torch
 import torch.fx as fx
+from harness.graphs import first_node, node_program, traced
 from torch.fx.experimental.proxy_tensor import make_fx
-from unit_graphs import first_node, node_program, traced
 
 from hcpasses.verify import (
     GraphState,

@@ -1,4 +1,5 @@
-"""Small traced graphs for the fast unit tests: ``make_fx`` with fake tensors, so every node has a ``meta["val"]``."""
+"""Small traced graphs and edits of them for tests of the pass infrastructure: ``make_fx`` with fake tensors, so
+every node has a ``meta["val"]``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ def traced(fn: Callable[..., Any], *shapes: tuple[int, ...]) -> fx.GraphModule:
 
 def first_node(graph: fx.Graph, target: object) -> fx.Node:
     return next(n for n in graph.nodes if n.target == target)
+
+
+def add_unused_neg(graph: fx.Graph) -> None:
+    """A ``neg`` of the first ``relu`` that nothing uses, with its value: what a rewrite can leave behind."""
+    relu = first_node(graph, torch.ops.aten.relu.default)
+    with graph.inserting_after(relu):
+        neg = graph.call_function(torch.ops.aten.neg.default, (relu,))
+    neg.meta["val"] = relu.meta["val"]
 
 
 def node_program(graph: fx.Graph) -> list[tuple[object, ...]]:
