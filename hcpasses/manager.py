@@ -29,14 +29,14 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from hcpasses.canonical import CanonicalForms
-from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import PASS_NAMES, HCPassesConfig
 from hcpasses.dumps import GraphDump, graph_code
-from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.graph_pass import GraphPass
+from hcpasses.passes.canonical_forms import CanonicalForms
+from hcpasses.passes.cleanup import DeadCodeCleanup
+from hcpasses.passes.gated_mean_quant import GatedMeanQuantFusion
+from hcpasses.passes.sp_rewrite import SPRewrite
 from hcpasses.report import GraphReport, PassRecord
-from hcpasses.sp_rewrite import SPRewrite
 from hcpasses.verify import GraphVerificationError, graph_state, restore_graph, verify_graph
 
 log = logging.getLogger("hcpasses")

@@ -12,9 +12,9 @@ from torch._inductor.pattern_matcher import fwd_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from hcpasses.canonical import CanonicalForms
 from hcpasses.config import HCPassesConfig
-from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
+from hcpasses.passes.canonical_forms import CanonicalForms
+from hcpasses.passes.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.patterns.gated_mean import atom_gated_mean, per_token_quant
 
 CONVERT = torch.ops.prims.convert_element_type.default

@@ -19,10 +19,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hcpasses
 from hcpasses.backend import HCPassesBackend
-from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import PassManager
+from hcpasses.passes.cleanup import DeadCodeCleanup
 from hcpasses.verify import GraphVerificationError, graph_state, refresh_fake_values, restore_graph, verify_graph
 
 aten = torch.ops.aten

@@ -35,7 +35,7 @@ SPELLINGS = st.builds(
 
 
 def canonical_rewrites(collapse: str, quant: str | None, dtype: torch.dtype) -> int:
-    """How many rewrites canonical_forms makes in one block of this spelling (see hcpasses.canonical)."""
+    """How many rewrites canonical_forms makes in one block of this spelling (see hcpasses.passes.canonical_forms)."""
     low = int(dtype != torch.float32)
     per_collapse = {
         "transformers": 0,

@@ -1,5 +1,5 @@
-"""The SP pass's two parts alone: the region analysis (``hcpasses.sp.region``) reads a graph and says what
-is shardable and why not, changing nothing; the emission (``hcpasses.sp.emit``) rewrites exactly the region
+"""The SP pass's two parts alone: the region analysis (``sp_rewrite.region``) reads a graph and says what
+is shardable and why not, changing nothing; the emission (``sp_rewrite.emit``) rewrites exactly the region
 it is given. Graphs: rank 0 of a TP 2 decoder, captured without any pass (fake process group)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from harness import capture_post_grad, fake_process_group
 from harness.reference import collective_counts
 
+from hcpasses.passes.sp_rewrite.emit import RegionRewriter
+from hcpasses.passes.sp_rewrite.region import all_reduces, ancestors, find_regions, stream_value
 from hcpasses.patterns.collapse import CollapseFinder
-from hcpasses.sp.emit import RegionRewriter
-from hcpasses.sp.region import all_reduces, ancestors, find_regions, stream_value
 from hcpasses.verify import verify_graph
 from models import HCConfig, HCDecoder
 

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from hcpasses.canonical import CanonicalForms
-from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import HCPassesConfig
-from hcpasses.fusions.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import PassManager
+from hcpasses.passes.canonical_forms import CanonicalForms
+from hcpasses.passes.cleanup import DeadCodeCleanup
+from hcpasses.passes.gated_mean_quant import GatedMeanQuantFusion
+from hcpasses.passes.sp_rewrite import SPRewrite
 from hcpasses.patterns.collapse import FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM
 from hcpasses.report import GraphReport
-from hcpasses.sp_rewrite import SPRewrite
 
 from .capture import RankDependentTrace, capture_ranks, capture_ranks_from_one_trace, copy_graph, count_calls
 from .side_effects import AuditedManager

@@ -37,7 +37,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="fusion_reports_but_restores",
         fault="the fusion pass counts and reports its matches, then puts the graph back as it was (nothing fused)",
-        file="hcpasses/fusions/gated_mean_quant.py",
+        file="hcpasses/passes/gated_mean_quant.py",
         old="""        fused = self._fuser.apply(graph)
 """,
         new="""        from hcpasses.verify import graph_state, restore_graph
@@ -54,7 +54,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="sp_fp8_scales_through_bf16",
         fault="the SP all-gather sends the fp32 per-token FP8 scales as bf16 (rounded before the gather)",
-        file="hcpasses/sp/emit.py",
+        file="hcpasses/passes/sp_rewrite/emit.py",
         old="""            source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
             flat = self._flatten_tokens(source, k)
             gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, self.group))
@@ -75,7 +75,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="sp_gather_no_trim",
         fault="the gather after all_gather keeps the pad rows (R*tp rows instead of T)",
-        file="hcpasses/sp/emit.py",
+        file="hcpasses/passes/sp_rewrite/emit.py",
         old="""            full = self.graph.call_function(aten.slice.Tensor, (waited, 0, 0, self.tokens))
 """,
         new="""            full = waited
@@ -95,7 +95,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="sp_reduce_scatter_wrong_dim",
         fault="the reduce-scatter splits the rows interleaved (rank r gets rows r, r+tp, ...) instead of in blocks",
-        file="hcpasses/sp/emit.py",
+        file="hcpasses/passes/sp_rewrite/emit.py",
         old="""            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
 """,
         new="""            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
@@ -143,7 +143,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="sp_partial_sums_on_row_shards",
         fault="SP lets an unrecognised block's sub-layer compute its TP partial sums on row shards",
-        file="hcpasses/sp/region.py",
+        file="hcpasses/passes/sp_rewrite/region.py",
         old="""        for reduce, _ in reduces:
             self._check_partial_sum(reduce, region)
 """,
@@ -224,7 +224,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="cleanup_erases_impure_nodes",
         fault="cleanup erases every node whose result nothing uses, in-place writes and collectives included",
-        file="hcpasses/cleanup.py",
+        file="hcpasses/passes/cleanup.py",
         old="""        graph.eliminate_dead_code()  # FX's own DCE keeps impure nodes; no need for our own walk
 """,
         new="""        for node in reversed(list(graph.nodes)):  # "an unused result is dead code"

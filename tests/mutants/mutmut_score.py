@@ -4,14 +4,14 @@
     python tests/mutants/mutmut_score.py                 # every mutant (1195: 12 min on 2 cores)
     python tests/mutants/mutmut_score.py --sample        # the fixed sample CI runs (numbered *0 and *5: 209)
     python tests/mutants/mutmut_score.py --floor 90      # fail below this score (percent)
-    python tests/mutants/mutmut_score.py --scope passes  # canonical.py and the SP region analysis (slower tests)
+    python tests/mutants/mutmut_score.py --scope passes  # canonical_forms.py and the SP region analysis (slower tests)
 
 Runs ``mutmut run`` from the repository root (mutmut writes its copy to ``mutants/``, ignored by git), reads each
 mutant's status back with ``mutmut results --all true``, and prints the score per module and the survivors, each
 with its note from ``EQUIVALENT`` where one says why no test can kill it. Score = (killed + timeout) / mutants
 run: a mutant that makes the tests hang is caught too. Exits 1 when the score is below ``--floor``.
 
-``--scope passes`` mutates ``canonical.py`` and ``sp/region.py`` instead, judged by their own tests (graphs captured
+``--scope passes`` mutates canonical_forms and the SP region analysis, judged by their own tests (graphs captured
 through Inductor): it runs in a copy of the working tree under ``mutants-passes/`` (ignored by git) whose
 ``[tool.mutmut]`` names those modules and tests, as mutmut reads its configuration from the working directory only.
 """
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Other scopes than pyproject.toml's: the [tool.mutmut] keys a scope replaces.
 SCOPES: dict[str, dict[str, list[str]]] = {
     "passes": {
-        "only_mutate": ["hcpasses/canonical.py", "hcpasses/sp/region.py"],
+        "only_mutate": ["hcpasses/passes/canonical_forms.py", "hcpasses/passes/sp_rewrite/region.py"],
         "pytest_add_cli_args_test_selection": ["tests/test_canonical.py", "tests/test_sp_parts.py"],
     },
 }

@@ -8,9 +8,9 @@ import torch
 import torch.fx as fx
 from harness.graphs import traced
 
-from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
+from hcpasses.passes.cleanup import DeadCodeCleanup
 from hcpasses.rows import rows_per_rank, shard_rows, shard_shape
 
 aten = torch.ops.aten

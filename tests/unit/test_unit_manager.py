@@ -18,10 +18,10 @@ import torch.fx as fx
 from harness.graphs import add_unused_neg, first_node, node_program, traced
 
 from hcpasses import manager as manager_module
-from hcpasses.cleanup import DeadCodeCleanup
 from hcpasses.config import PASS_NAMES, HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import AUTOGRAD_REASON, PIPELINE, PassManager, pass_fingerprint, source_hash
+from hcpasses.passes.cleanup import DeadCodeCleanup
 from hcpasses.report import GraphReport
 from hcpasses.verify import refresh_fake_values
 
@@ -253,8 +253,8 @@ def test_source_hash_covers_every_file_of_the_package(tmp_path: Path, monkeypatc
 def test_pass_fingerprint_names_the_class_and_hashes_its_file() -> None:
     fingerprint = pass_fingerprint(DeadCodeCleanup())
     module, digest = fingerprint.split(":")
-    assert module == "hcpasses.cleanup.DeadCodeCleanup"
-    source = Path(manager_module.__file__).with_name("cleanup.py").read_bytes()
+    assert module == "hcpasses.passes.cleanup.DeadCodeCleanup"
+    source = (Path(manager_module.__file__).parent / "passes" / "cleanup.py").read_bytes()
     assert digest == hashlib.sha256(source).hexdigest()
     assert pass_fingerprint(Spy("cleanup")).startswith(f"{__name__}.Spy:")
 

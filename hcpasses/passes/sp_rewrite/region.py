@@ -1,8 +1,8 @@
 """SP region analysis: which stretch of a post-grad graph can run on token-row shards, and why not.
 
 Reads the graph, never changes it. ``find_regions`` returns a ``Plan``: the ``Region``s the rewrite
-(:mod:`hcpasses.sp.emit`) shards, and every cut (a ``NotRowLocal`` naming the node and why). The rules are
-those of :mod:`hcpasses.sp_rewrite`'s docstring: every region node row-local, every outside operand
+(``emit``) shards, and every cut (a ``NotRowLocal`` naming the node and why). The rules are
+those of :mod:`hcpasses.passes.sp_rewrite`'s docstring: every region node row-local, every outside operand
 free of tokens (or a full-size term entering the streams), token dims the leading dims of each value.
 """
 

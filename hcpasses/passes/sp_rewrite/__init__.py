@@ -46,8 +46,8 @@ group, T >= ``sp_min_tokens`` (static T; with symbolic T the graph is correct fo
 backend dispatches small T to an unsharded variant), and some HC block has an all-reduce feeding a later
 HC block with only row-local nodes in between. Otherwise the graph is left untouched and the report says why.
 
-Code: the analysis (what is shardable, where regions start and are cut, why) is :mod:`hcpasses.sp.region`; the
-emission (shards, reduce-scatters, gathers) is :mod:`hcpasses.sp.emit`; this file runs them and reports.
+Code: the analysis (what is shardable, where regions start and are cut, why) is ``region``; the
+emission (shards, reduce-scatters, gathers) is ``emit``; this file runs them and reports.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ import torch.fx as fx
 
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
+from hcpasses.passes.sp_rewrite.emit import RegionRewriter
+from hcpasses.passes.sp_rewrite.region import all_reduces, find_regions
 from hcpasses.patterns.collapse import CollapseFinder
-from hcpasses.sp.emit import RegionRewriter
-from hcpasses.sp.region import all_reduces, find_regions
 
 
 class SPRewrite(GraphPass):

@@ -1,4 +1,4 @@
-"""SP emission: rewrites one analysed region in place (:mod:`hcpasses.sp.region` has accepted every node).
+"""SP emission: rewrites one analysed region in place (``region`` has accepted every node).
 
 The start and full-size entries are sharded (``hcpasses::shard_rows``), each all-reduce becomes pad +
 reduce-scatter, size arguments of reshapes take ``[1, ..., 1, R]`` token dims, and every region value used
@@ -15,8 +15,7 @@ import torch
 import torch.fx as fx
 
 import hcpasses.rows  # noqa: F401  (registers torch.ops.hcpasses.shard_rows)
-from hcpasses.patterns.tracing import value_of
-from hcpasses.sp.region import (
+from hcpasses.passes.sp_rewrite.region import (
     SIZE_OPS,
     SYM_SIZE,
     WAIT,
@@ -29,6 +28,7 @@ from hcpasses.sp.region import (
     same_size,
     token_dims,
 )
+from hcpasses.patterns.tracing import value_of
 from hcpasses.verify import GraphState, graph_state, refresh_fake_values
 
 

@@ -1,1 +1,0 @@
-"""Fusion passes: replace a matched chain of ops with one fused op."""
