@@ -7,7 +7,7 @@ Run on a CUDA machine from the repository root::
 1. Correctness of the compiled Triton kernels (through the custom ops) against the torch reference on the
    GPU: q and scale bit-exact given the kernel's own x; x within one ulp of its dtype plus the fp32 error
    its stream sum allows (the tests' bound); outputs are poisoned first (NaN bytes) so an unwritten
-   element shows. For information, q/scale are also compared with ``models.fp8.quantize_per_token`` run
+   element shows. For information, q/scale are also compared with ``hcpasses.testing.models.fp8.quantize_per_token`` run
    eagerly and through Inductor on the GPU (both divide amax by 448 as a multiply by the rounded
    reciprocal, so about half their scales are one ulp off the IEEE quotient the op uses).
 2. Timing (CUDA events around CUDA-graph replays, warm-up, medians; input sets rotated so that each
@@ -48,7 +48,7 @@ import triton
 from hcpasses.kernels import gated_mean_quant_reference, quant_epilogue_reference, weighted_sum_quant_reference
 from hcpasses.kernels import triton_gated_mean_quant as tk
 from hcpasses.kernels.triton_gated_mean_quant import LaunchConfig, default_launch_config, gated_mean_quant_triton
-from models.fp8 import quantize_per_token
+from hcpasses.testing.models.fp8 import quantize_per_token
 
 HIDDEN, N_STREAMS, DTYPE = 2560, 4, torch.bfloat16
 TOKENS = (1024, 4096, 16384, 65536)
@@ -90,7 +90,7 @@ Fn = Callable[..., object]
 
 
 def unfused(xn: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plain pattern: transformers' gated mean, then the per-token quant of ``models.fp8``."""
+    """The plain pattern: transformers' gated mean, then the per-token quant of ``hcpasses.testing.models.fp8``."""
     x = (torch.sigmoid(u).unflatten(-1, (N_STREAMS, HIDDEN)) * xn.unflatten(-1, (N_STREAMS, HIDDEN))).mean(-2)
     q, scale = quantize_per_token(x)
     return x, q, scale

@@ -46,8 +46,8 @@ import torch
 
 import hcpasses
 from benchmarks.prefill_sp import log, measure_ceilings, time_calls
-from hcpasses.multiproc import run_ranks
-from models import HCConfig, HCDecoder, MTPDrafter, prefill_target_and_drafter
+from hcpasses.testing.models import HCConfig, HCDecoder, MTPDrafter, prefill_target_and_drafter
+from hcpasses.testing.multiproc import run_ranks
 
 DEFAULT_PREFILL = "1024,4096,16384"
 DEFAULT_BATCHES = "1,2,4,8,16,32"

@@ -4,9 +4,9 @@ Run from the repository root with one process per GPU (NCCL)::
 
     PYTHONPATH=. python benchmarks/mtp_tp.py --tp 2 --out benchmarks/results
 
-Model: ``models.HCDecoder`` at real per-layer sizes (``HCConfig.real``, bf16, ``--layers`` layers, no PLE)
-and its ``models.MTPDrafter``, TP-sharded. Measured per rank with CUDA events (ranks aligned by a barrier,
-warm-up calls first, medians; the slowest rank's median is reported):
+Model: ``hcpasses.testing.models.HCDecoder`` at real per-layer sizes (``HCConfig.real``, bf16, ``--layers``
+layers, no PLE) and its ``hcpasses.testing.models.MTPDrafter``, TP-sharded. Measured per rank with CUDA events
+(ranks aligned by a barrier, warm-up calls first, medians; the slowest rank's median is reported):
 
 - prefill at T tokens: ``prefill_target_and_drafter`` compiled as one function (the HC state stays
   row-sharded into the drafter) vs the target (returning its state) and the drafter compiled
@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from prefill_sp import log, time_calls  # the timing helpers of the SP benchmark
 
 import hcpasses
-from hcpasses.multiproc import run_ranks
-from models import HCConfig, HCDecoder
-from models.mtp import MTPDrafter, prefill_target_and_drafter
+from hcpasses.testing.models import HCConfig, HCDecoder
+from hcpasses.testing.models.mtp import MTPDrafter, prefill_target_and_drafter
+from hcpasses.testing.multiproc import run_ranks
 
 REPEATS, WARMUP = 10, 3
 

@@ -6,7 +6,7 @@ Run from the repository root, one process per GPU (NCCL; gloo on CPU)::
     PYTHONPATH=. python benchmarks/prefill_sp.py --tp 4 --points 64x1,1024x64
     PYTHONPATH=. python benchmarks/prefill_sp.py --cpu-smoke      # tiny model, gloo on CPU: checks the plumbing
 
-Model: ``models.bench_model.BenchDecoder`` at real sizes (S 2560, n 4, r 320, bf16, 8 layers: linear
+Model: ``hcpasses.testing.models.bench_model.BenchDecoder`` at real sizes (S 2560, n 4, r 320, bf16, 8 layers: linear
 token mixer with GDN-sized projections, attention every 4th layer, SwiGLU 5632; logits of the last
 token of each sequence). A point ``LxB`` is B concurrent sequences of L tokens, one forward of T = L*B
 tokens. Variants, all through Inductor, each compiled once per point with static shapes (``--dynamic``
@@ -56,10 +56,10 @@ import torch.distributed as dist
 from torch import nn
 
 import hcpasses
-from hcpasses.multiproc import run_ranks
-from models import HCConfig
-from models.bench_model import ATTENTION_PERIOD, MIXER_CHUNK, BenchDecoder, MixerSizes, bench_config
-from models.hc import FinalMixer, HyperConnection
+from hcpasses.testing.models import HCConfig
+from hcpasses.testing.models.bench_model import ATTENTION_PERIOD, MIXER_CHUNK, BenchDecoder, MixerSizes, bench_config
+from hcpasses.testing.models.hc import FinalMixer, HyperConnection
+from hcpasses.testing.multiproc import run_ranks
 
 VARIANTS = ("sp_off", "hcpasses_sp", "handwritten_sp")
 DEFAULT_POINTS = "64x1,1024x1,1024x4,1024x16,1024x64"
@@ -272,7 +272,7 @@ def run_variant(variant: str, settings: Settings, rank: int, device: torch.devic
 class HCChain(nn.Module):
     """Every HC block of the benchmark model back to back, sub-layers replaced by a fixed output ``y``.
 
-    Same names, so the same replicated weights as :class:`~models.bench_model.BenchDecoder`'s HCs.
+    Same names, so the same replicated weights as :class:`~hcpasses.testing.models.bench_model.BenchDecoder`'s HCs.
     ``forward(h [R, nS], y [R, S])`` returns the final mixer output and every block's gated mean.
     """
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from hcpasses.demo import main
+from hcpasses.testing.demo import main
 
 if __name__ == "__main__":
     sys.exit(main())

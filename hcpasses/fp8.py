@@ -1,5 +1,5 @@
 """Per-token FP8 (e4m3) quantisation and a PTPC-FP8 linear layer (DESIGN §5), for models the library
-rewrites (``hcpasses.hf.swap_fp8_linears``) and for the reference models (``models.fp8``).
+rewrites (``hcpasses.hf.swap_fp8_linears``) and for the reference models (``hcpasses.testing.models.fp8``).
 
 Convention (vLLM's per-token kernel): ``scale = max(amax / 448, 1 / (448 * 512))`` with amax taken from x in
 its activation dtype, ``q = clamp(x / scale, -448, 448)`` cast with round-to-nearest-even. The clamp comes

@@ -1,6 +1,6 @@
 """Tests of the benchmark-side models: mHC decoder, hand-written SP decoder, benchmark model, prefill script.
 
-Multi-rank checks run on gloo through ``hcpasses.multiproc.run_ranks``; one fixture per TP size runs every
+Multi-rank checks run on gloo through ``hcpasses.testing.multiproc.run_ranks``; one fixture per TP size runs every
 rank-side check at once, so each TP size starts its processes only once.
 """
 
@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import models.sp_handwritten as sp_module
-from hcpasses.multiproc import run_ranks
-from models import HCConfig, HCDecoder
-from models.bench_model import BenchDecoder, MixerSizes, chunked_linear_attention
-from models.mhc import ManifoldHyperConnection, ManifoldHyperHead, MHCDecoder, sinkhorn
-from models.sp_handwritten import HandwrittenSPDecoder, RowShards
+import hcpasses.testing.models.sp_handwritten as sp_module
+from hcpasses.testing.models import HCConfig, HCDecoder
+from hcpasses.testing.models.bench_model import BenchDecoder, MixerSizes, chunked_linear_attention
+from hcpasses.testing.models.mhc import ManifoldHyperConnection, ManifoldHyperHead, MHCDecoder, sinkhorn
+from hcpasses.testing.models.sp_handwritten import HandwrittenSPDecoder, RowShards
+from hcpasses.testing.multiproc import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN_COUNTS = (1, 2, 4, 7, 13)  # T = 1, T < tp, a rank holding only padding (T=4, tp=3), odd, larger
@@ -74,7 +74,7 @@ def _assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float) 
 
 
 class _CollectiveLog:
-    """Stands in for ``torch.ops._c10d_functional`` in ``models.sp_handwritten``: records each call."""
+    """Stands in for ``torch.ops._c10d_functional`` in ``hcpasses.testing.models.sp_handwritten``: records each call."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, torch.dtype, tuple[int, ...]]] = []

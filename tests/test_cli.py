@@ -1,4 +1,5 @@
-"""The installed surface: the entry point works without importing hcpasses, and the demo runs."""
+"""The installed surface: the entry point works without importing hcpasses, and the demo
+(``python -m hcpasses.testing.demo``) runs."""
 
 from __future__ import annotations
 
@@ -32,12 +33,11 @@ def test_string_backend_without_import() -> None:
 
 
 def test_library_imports_without_the_reference_models() -> None:
-    """``hcpasses`` (and ``hcpasses.hf`` with its FP8 swap and TP sharding) must work where only the package is
-    installed: none of it may import ``models`` (the demo does, lazily, inside its functions)."""
+    """``hcpasses`` (and ``hcpasses.hf`` with its FP8 swap and TP sharding) must not import the reference models."""
     code = (
         "import sys\n"
-        "import hcpasses, hcpasses.fp8, hcpasses.hf, hcpasses.hf.fp8_swap, hcpasses.hf.tp_shard, hcpasses.demo\n"
-        "print(sorted(m for m in sys.modules if m == 'models' or m.startswith('models.')))\n"
+        "import hcpasses, hcpasses.fp8, hcpasses.hf, hcpasses.hf.fp8_swap, hcpasses.hf.tp_shard\n"
+        "print(sorted(m for m in sys.modules if m.startswith('hcpasses.testing')))\n"
     )
     proc = run_python("-c", code, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -45,7 +45,7 @@ def test_library_imports_without_the_reference_models() -> None:
 
 
 def test_demo_runs_at_tp2_and_matches_eager(tmp_path) -> None:
-    proc = run_python("-m", "hcpasses", "demo", "--dump-dir", str(tmp_path), "--tokens", "17", timeout=600)
+    proc = run_python("-m", "hcpasses.testing.demo", "--dump-dir", str(tmp_path), "--tokens", "17", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TP 2 over gloo" in proc.stdout
     assert "graph 0:" in proc.stdout and "cleanup" in proc.stdout
@@ -59,6 +59,6 @@ def test_demo_runs_at_tp2_and_matches_eager(tmp_path) -> None:
 
 
 def test_demo_rejects_bad_arguments() -> None:
-    proc = run_python("-m", "hcpasses", "demo", "--tp", "0", timeout=120)
+    proc = run_python("-m", "hcpasses.testing.demo", "--tp", "0", timeout=120)
     assert proc.returncode != 0
     assert "--tp and --tokens must be >= 1" in proc.stderr

@@ -20,7 +20,7 @@ from corpus.spelled import COLLAPSES, BlockSpelling, SpelledHC
 from harness.reference import assert_near_eager
 
 import hcpasses
-from hcpasses.multiproc import run_ranks
+from hcpasses.testing.multiproc import run_ranks
 
 TOKENS = 13  # ragged at tp 2
 QUANTS_OR_NONE = [*QUANTS, None]

@@ -21,7 +21,7 @@ from harness.reference import fp8_ordinal, fused_op_count
 
 import hcpasses
 from hcpasses.patterns.gated_mean import atom_gated_mean, mhc_collapse, per_token_quant, transformers_gated_mean
-from models import HCConfig, HCDecoder
+from hcpasses.testing.models import HCConfig, HCDecoder
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16 values (8 significant bits)
 

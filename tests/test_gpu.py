@@ -16,8 +16,8 @@ from harness.reference import fp8_ordinal, fused_op_count
 
 import hcpasses
 from hcpasses.patterns.gated_mean import atom_gated_mean, per_token_quant
-from models import HCConfig, HCDecoder
-from models.fp8 import Fp8Linear, quantize_per_token
+from hcpasses.testing.models import HCConfig, HCDecoder
+from hcpasses.testing.models.fp8 import Fp8Linear, quantize_per_token
 
 pytestmark = [
     pytest.mark.gpu,
@@ -145,7 +145,8 @@ def test_qwen4_exp_counts_its_hc_blocks_exactly_on_cuda(dtype: torch.dtype) -> N
     (2 per layer and the final mixer), not the GatedDeltaNet forward-substitution sums that torch 2.11 traces
     there (63 per layer; they once made the report say 196), and logits that match eager."""
     pytest.importorskip("transformers.models.qwen4_exp", reason="needs transformers >= 5.24 (carry the wheel)")
-    from hcpasses.hf import swap_fp8_linears, tiny_qwen4_exp
+    from hcpasses.hf import swap_fp8_linears
+    from hcpasses.testing.hf_models import tiny_qwen4_exp
 
     layers = 3
     model = tiny_qwen4_exp(dtype, num_hidden_layers=layers, layer_types=["linear_attention"] * layers)
@@ -208,9 +209,9 @@ def test_mhc_spellings_fuse_and_count_exactly_on_cuda(dtype: torch.dtype, shape:
     assert (out.float() - expected.float()).abs().max().item() <= 1.5 * own + 0.1, own
 
 
-# Real-size transformers models (hcpasses.hf.real), FP8 sub-layer inputs, one GPU (tp = 1): the builders run on
-# CUDA (grouped_mm experts), the graph compiles, the report counts the model's HC collapses exactly and the
-# logits match eager. qwen4_exp as in the issue's set-up (3 GatedDeltaNet layers, PLE in layer 2; the QSA layer
+# Real-size transformers models (hcpasses.testing.hf_models.real_*), FP8 sub-layer inputs, one GPU (tp = 1): the
+# builders run on CUDA (grouped_mm experts), the graph compiles, the report counts the model's HC collapses exactly
+# and the logits match eager. qwen4_exp as in the issue's set-up (3 GatedDeltaNet layers, PLE in layer 2; the QSA layer
 # breaks the graph per query, see tests/real_models/test_compile.py); deepseek_v4's first real layer.
 REAL_SIZE = {
     "qwen4_exp": ({"num_layers": 3, "layer_types": ["linear_attention"] * 3}, 7, 3),
@@ -221,7 +222,8 @@ REAL_SIZE = {
 @pytest.mark.parametrize("family", list(REAL_SIZE))
 def test_real_size_models_compile_and_count_exactly_on_cuda(family: str) -> None:
     pytest.importorskip("transformers.models.qwen4_exp", reason="needs transformers >= 5.24 (carry the wheel)")
-    from hcpasses.hf import real_deepseek_v4, real_qwen4_exp, swap_fp8_linears
+    from hcpasses.hf import swap_fp8_linears
+    from hcpasses.testing.hf_models import real_deepseek_v4, real_qwen4_exp
 
     kwargs, collapses, fused = REAL_SIZE[family]
     build = {"qwen4_exp": real_qwen4_exp, "deepseek_v4": real_deepseek_v4}[family]

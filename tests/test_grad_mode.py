@@ -12,7 +12,7 @@ from harness import passes_run_every_compile
 
 import hcpasses
 from hcpasses.manager import AUTOGRAD_REASON
-from models import HCConfig, HCDecoder
+from hcpasses.testing.models import HCConfig, HCDecoder
 
 CFG = HCConfig.tiny(n_layers=2, fp8=True, dtype=torch.float32, seed=3)
 PASSES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")

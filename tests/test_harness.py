@@ -15,11 +15,10 @@ import torch.fx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hcpasses.multiproc import run_ranks
-
 # build_hc_decoder imports these lazily; importing them here makes a broken ``models`` package (installed
 # with this repo) fail this file at collection instead of silently skipping the HCDecoder test.
-from models import HCConfig, HCDecoder  # noqa: F401
+from hcpasses.testing.models import HCConfig, HCDecoder  # noqa: F401
+from hcpasses.testing.multiproc import run_ranks
 from tests.harness import (
     CaptureError,
     CollectiveMismatchError,

@@ -4,7 +4,8 @@ Two parts:
 
 - The custom ops on CPU (their torch reference): fake implementations; x, q and scale bit-exact against
   :func:`_contract_outputs`, a reference written here from the contract (DESIGN §5) and sharing no code
-  with the ops; x also against a float64 formula and the quant against :func:`models.fp8.quantize_per_token`.
+  with the ops; x also against a float64 formula and the quant against
+  :func:`hcpasses.testing.models.fp8.quantize_per_token`.
 - :class:`TestTritonKernels`: the Triton kernels against the torch reference — q and scale bit-exact given
   the kernel's own x, x within one ulp of its dtype — for each exact arithmetic path of the device
   (:func:`_paths`: compiled, hardware casts + FMA division and the interpreter's integer rounding +
@@ -40,7 +41,7 @@ from hcpasses.kernels import (
     quant_epilogue_reference,
     weighted_sum_quant_reference,
 )
-from models import fp8
+from hcpasses.testing.models import fp8
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -230,7 +231,7 @@ def _contract_collapse(op: str, streams: torch.Tensor, gates: torch.Tensor, n: i
 
 
 def _contract_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token FP8 quant of DESIGN §5, written independently of the ops' and models.fp8's code.
+    """The per-token FP8 quant of DESIGN §5, written independently of the ops' and hcpasses.testing.models.fp8's code.
 
     amax of the (already rounded) x; ``scale = max(amax / 448, 1 / (448 * 512))`` rounded once to fp32;
     ``q = clamp(x / scale, ±448)`` with ``x / scale`` rounded once to fp32, cast round-to-nearest-even to

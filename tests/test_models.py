@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hcpasses.multiproc import run_ranks
-from models import (
+from hcpasses.testing.models import (
     ColumnParallelLinear,
     FinalMixer,
     Fp8Linear,
@@ -19,7 +18,8 @@ from models import (
     RowParallelLinear,
     quantize_per_token,
 )
-from models.decoder import PLELayer
+from hcpasses.testing.models.decoder import PLELayer
+from hcpasses.testing.multiproc import run_ranks
 
 N_TOKENS = 13
 

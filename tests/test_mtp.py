@@ -11,11 +11,11 @@ import torch
 from harness import passes_run_every_compile
 
 import hcpasses
-from hcpasses.multiproc import run_ranks
-from models import HCConfig, HCDecoder, MTPDrafter
-from models.decoder import PLE_LEFT_PAD, cache_length, truncate_cache
-from models.mtp import prefill_target_and_drafter
-from models.speculative import StepFunctions, greedy_decode, prefill_step, speculative_decode
+from hcpasses.testing.models import HCConfig, HCDecoder, MTPDrafter
+from hcpasses.testing.models.decoder import PLE_LEFT_PAD, cache_length, truncate_cache
+from hcpasses.testing.models.mtp import prefill_target_and_drafter
+from hcpasses.testing.models.speculative import StepFunctions, greedy_decode, prefill_step, speculative_decode
+from hcpasses.testing.multiproc import run_ranks
 
 CFG = HCConfig.tiny(ple_layer=0, seed=1)  # PLE in the first layer: its conv window is rolled back too
 PROMPT_TOKENS = 12

@@ -10,8 +10,8 @@ from harness import count_calls, simulate
 from harness.reference import assert_same_as_sp_off, capture_with_passes, fused_op_count
 
 from hcpasses.config import HCPassesConfig
-from models import HCConfig, HCDecoder
-from models.mtp import MTPDrafter, prefill_target_and_drafter
+from hcpasses.testing.models import HCConfig, HCDecoder
+from hcpasses.testing.models.mtp import MTPDrafter, prefill_target_and_drafter
 
 c10d = torch.ops._c10d_functional
 CFG = HCConfig.tiny(n_layers=2, ple_layer=0, fp8=True, n_heads=12, n_kv_heads=12, intermediate=96, seed=3)

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from hcpasses.config import HCPassesConfig
 from hcpasses.report import GraphReport
-from models import HCConfig, HCDecoder
+from hcpasses.testing.models import HCConfig, HCDecoder
 
 CONFIG = HCPassesConfig(sp_min_tokens=1)
 

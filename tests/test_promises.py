@@ -26,8 +26,8 @@ import hcpasses
 from hcpasses.config import PASS_NAMES, HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import PIPELINE, PassManager
-from hcpasses.multiproc import run_ranks
 from hcpasses.report import GraphReport
+from hcpasses.testing.multiproc import run_ranks
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hcpasses.config import HCPassesConfig
-from models import HCConfig
+from hcpasses.testing.models import HCConfig
 
 EXAMPLE = (2, 7)  # batch != seq, so the symbolic sizes of a dynamic capture can be told apart
 
@@ -149,7 +149,7 @@ def batched_ids(shape: tuple[int, int]) -> torch.Tensor:
 
 
 def test_two_gloo_ranks_dispatch_on_batch_times_seq() -> None:
-    from hcpasses.multiproc import run_ranks
+    from hcpasses.testing.multiproc import run_ranks
 
     results = run_ranks(batched_rank, 2, timeout_s=600)
     reference = BatchedHCModel(model_config(True), seq_mix_layer=None, return_state=True)

@@ -14,8 +14,8 @@ from harness import compile_without_codegen, fake_process_group, passes_run_ever
 from harness.toy import D_MODEL, build_toy_mlp
 
 import hcpasses
-from hcpasses.multiproc import run_ranks
-from models import HCConfig, HCDecoder
+from hcpasses.testing.models import HCConfig, HCDecoder
+from hcpasses.testing.multiproc import run_ranks
 
 TINY = dict(n_heads=12, n_kv_heads=12, intermediate=96)
 
@@ -68,7 +68,7 @@ def test_unsupported_all_reduce_leaves_the_graph_unsharded(monkeypatch) -> None:
     def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.copy_(funcol.all_reduce(tensor, "max", dist.group.WORLD))
 
-    monkeypatch.setattr("models.tp.dist.all_reduce", all_reduce_max)
+    monkeypatch.setattr("hcpasses.testing.models.tp.dist.all_reduce", all_reduce_max)
     be = compile_once(HCDecoder(HCConfig.tiny(**TINY)), torch.randint(0, 64, (37,)), sp_min_tokens=1)
     assert len(be.reports) == 1  # one graph: the patched reduce traces
     record = sp_record(be)

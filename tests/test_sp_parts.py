@@ -12,8 +12,8 @@ from harness.reference import collective_counts
 from hcpasses.passes.sp_rewrite.emit import RegionRewriter
 from hcpasses.passes.sp_rewrite.region import all_reduces, ancestors, find_regions, stream_value
 from hcpasses.patterns.collapse import CollapseFinder
+from hcpasses.testing.models import HCConfig, HCDecoder
 from hcpasses.verify import verify_graph
-from models import HCConfig, HCDecoder
 
 LAYERS, TOKENS = 2, 9
 

@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hcpasses.config import HCPassesConfig
-from models import HCConfig, HCDecoder
+from hcpasses.testing.models import HCConfig, HCDecoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +241,7 @@ def check_sharded_graph(data: st.DataObject, case: Case, seed: int) -> RankGraph
 def test_mhc_family_is_sharded_and_matches_sp_off_and_eager(
     tp: int, tokens: int, fp8: bool, ple: int | None, checked_graphs: CheckedGraphs
 ) -> None:
-    from models.mhc import MHCDecoder
+    from hcpasses.testing.models.mhc import MHCDecoder
 
     cfg = HCConfig.tiny(fp8=fp8, n_layers=2, ple_layer=ple, n_heads=12, n_kv_heads=12, intermediate=96, seed=4)
     ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))

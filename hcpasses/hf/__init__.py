@@ -1,16 +1,10 @@
-"""transformers HC models (qwen4_exp, deepseek_v4) through hcpasses: tiny and real-size builders, model-side tooling."""
+"""Model-side helpers for transformers' HC models (qwen4_exp, deepseek_v4): the FP8 linear swap, TP sharding.
+
+Importing this package does not import transformers. The tiny and real-size model builders used by the tests
+and benchmarks are :mod:`hcpasses.testing.hf_models`.
+"""
 
 from hcpasses.hf.fp8_swap import is_sublayer_input_projection, swap_fp8_linears
-from hcpasses.hf.real import real_deepseek_v4, real_qwen4_exp
-from hcpasses.hf.tiny import tiny_deepseek_v4, tiny_qwen4_exp
 from hcpasses.hf.tp_shard import shard_for_tp
 
-__all__ = [
-    "is_sublayer_input_projection",
-    "real_deepseek_v4",
-    "real_qwen4_exp",
-    "shard_for_tp",
-    "swap_fp8_linears",
-    "tiny_deepseek_v4",
-    "tiny_qwen4_exp",
-]
+__all__ = ["is_sublayer_input_projection", "shard_for_tp", "swap_fp8_linears"]

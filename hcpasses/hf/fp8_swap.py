@@ -7,7 +7,7 @@ swap the compiled graph holds the collapse -> per-token quant chain that the ``g
 matches. The quant is ``hcpasses.fp8.quantize_per_token``, whose constants (448, 1/(448*512)) are literals
 so that the pattern still matches under dynamic shapes.
 
-    model = tiny_qwen4_exp()
+    model = tiny_qwen4_exp()                      # hcpasses.testing.hf_models; any qwen4_exp / deepseek_v4
     swapped = swap_fp8_linears(model)             # default selection, see ``is_sublayer_input_projection``
     swap_fp8_linears(model, lambda name, linear: name.endswith("q_proj"))
 """

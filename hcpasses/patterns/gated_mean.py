@@ -8,8 +8,8 @@ pattern (``hcpasses.patterns.tracing``). They must be written exactly as model c
 - ``atom_gated_mean``: ATOM's port: fp32 inside, sum over streams, divide by n, one rounding.
 - ``activation_sum_gated_mean``: ``sum / n`` in the activation dtype (in bf16 / fp16 the sum is rounded
   before the division: the mean's one rounding only when n is a power of two).
-- ``mhc_collapse``: DeepSeek-V4 mHC on flat streams (our ``models.mhc``): scalar gate per stream, fp32 sum,
-  one rounding.
+- ``mhc_collapse``: DeepSeek-V4 mHC on flat streams (our ``hcpasses.testing.models.mhc``): scalar gate per
+  stream, fp32 sum, one rounding.
 - ``stacked_mhc_collapse``: the same collapse as transformers' ``DeepseekV4HyperConnection`` writes it, on
   streams kept stacked as ``[..., n, S]``.
 - ``unrounded_mhc_collapse`` / ``unrounded_stacked_mhc_collapse``: the same sums left in fp32 over bf16 / fp16

@@ -90,8 +90,8 @@ def build_toy_sp(rank: int, tp: int, seed: int = 0) -> nn.Module:
 
 
 def build_hc_decoder(rank: int, tp: int, **config: Any) -> nn.Module:
-    """``models.HCDecoder(HCConfig.tiny(**config), tp_rank=rank, tp_size=tp)`` (imported lazily)."""
-    from models import HCConfig, HCDecoder
+    """``hcpasses.testing.models.HCDecoder(HCConfig.tiny(**config), tp_rank=rank, tp_size=tp)`` (imported lazily)."""
+    from hcpasses.testing.models import HCConfig, HCDecoder
 
     return HCDecoder(HCConfig.tiny(**config), tp_rank=rank, tp_size=tp)
 
@@ -106,7 +106,7 @@ class JobError(str):
 def eager_outputs(rank: int, tp: int, jobs: Sequence[Job]) -> dict[str, Any]:
     """Run each ``(name, build_fn, args)`` job eagerly on this rank without grad; results by name.
 
-    Meant for :func:`hcpasses.multiproc.run_ranks` (a real gloo group is initialised): one launch runs
+    Meant for :func:`hcpasses.testing.multiproc.run_ranks` (a real gloo group is initialised): one launch runs
     several models, since starting the processes costs seconds. A job that raises yields a
     :class:`JobError` so that the other jobs' results still come back. A job that hangs in a collective
     hangs the launch (run_ranks' deadline then fails it).
@@ -130,9 +130,9 @@ class BatchedHCModel(nn.Module):
     """
 
     def __init__(self, cfg: Any, seq_mix_layer: int | None = None, return_state: bool = False) -> None:
-        from models.decoder import MLP
-        from models.hc import FinalMixer, HyperConnection
-        from models.tp import replicated_parameter
+        from hcpasses.testing.models.decoder import MLP
+        from hcpasses.testing.models.hc import FinalMixer, HyperConnection
+        from hcpasses.testing.models.tp import replicated_parameter
 
         super().__init__()
         self.cfg, self.seq_mix_layer, self.return_state = cfg, seq_mix_layer, return_state

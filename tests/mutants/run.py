@@ -2,11 +2,12 @@
 
 For each mutant: copy the working tree (tracked and untracked-not-ignored files) into a temp dir, apply the
 mutant there, and run its selected tests on the copy in a subprocess (``python -m pytest -q -x``, the dev
-hypothesis profile with a fixed seed, a fresh Inductor cache dir). ``hcpasses`` and ``models`` are imported
-from the copy, never from the editable install: PYTHONPATH and the working directory point at the copy, and
-a pytest plugin in the child checks where both packages came from and stops the run (a runner error) if
-either is not the copy. Two self-checks run first: the baseline (the union of the selected tests on the
-unmutated copy) must pass, and a canary mutant that breaks ``import hcpasses`` must be killed.
+hypothesis profile with a fixed seed, a fresh Inductor cache dir). ``hcpasses`` (its reference models too:
+``hcpasses.testing.models``) is imported from the copy, never from the editable install: PYTHONPATH and the
+working directory point at the copy, and a pytest plugin in the child checks where both came from and stops
+the run (a runner error) if either is not the copy. Two self-checks run first: the baseline (the union of
+the selected tests on the unmutated copy) must pass, and a canary mutant that breaks ``import hcpasses`` must be
+killed.
 
 A mutant is *killed* when pytest fails (exit 1: a test failed; exit 2: collection or import failed),
 *survived* on exit 0; any other exit (no tests collected, usage error, internal error) or a timeout is a
@@ -53,9 +54,10 @@ CANARY = Mutant(
 )
 
 # Loaded in the child with ``-p _mutant_guard``: after collection (the test modules have imported the
-# packages) both must come from the copy under MUTANT_ROOT.
+# package and its reference models) both must come from the copy under MUTANT_ROOT.
 GUARD = textwrap.dedent(
     """
+    import importlib
     import os
     import sys
 
@@ -64,11 +66,11 @@ GUARD = textwrap.dedent(
 
     def pytest_collection_finish(session):
         root = os.path.realpath(os.environ["MUTANT_ROOT"])
-        for name in ("hcpasses", "models"):
+        for name in ("hcpasses", "hcpasses.testing.models"):
             module = sys.modules.get(name)
             if module is None:
                 try:
-                    module = __import__(name)
+                    module = importlib.import_module(name)
                 except Exception as err:  # a broken mutated package: the tests report it, not the guard
                     print(f"[mutant guard] import {name} failed: {err!r}")
                     continue

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from hcpasses.hf import tiny_deepseek_v4, tiny_qwen4_exp
+from hcpasses.testing.hf_models import tiny_deepseek_v4, tiny_qwen4_exp
 
 FAMILIES: dict[str, Callable[..., torch.nn.Module]] = {"qwen4_exp": tiny_qwen4_exp, "deepseek_v4": tiny_deepseek_v4}
 SEQ = 16  # long enough for the deepseek_v4 compressors (rates 4 and 8) and the qwen4_exp QSA blocks (4)

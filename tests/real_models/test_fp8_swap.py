@@ -7,8 +7,9 @@ import torch
 from hf_cases import FAMILIES, ONE_LAYER, logits, relative_error, token_ids
 from torch import nn
 
-from hcpasses.hf import swap_fp8_linears, tiny_deepseek_v4, tiny_qwen4_exp
-from models.fp8 import Fp8Linear
+from hcpasses.hf import swap_fp8_linears
+from hcpasses.testing.hf_models import tiny_deepseek_v4, tiny_qwen4_exp
+from hcpasses.testing.models.fp8 import Fp8Linear
 
 QWEN_SUBLAYER_INPUTS = {
     "linear_attention": [f"linear_attn.in_proj_{part}" for part in ("qkv", "z", "b", "a")],

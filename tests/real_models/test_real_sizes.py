@@ -1,5 +1,5 @@
-"""The real-size builders (``hcpasses.hf.real``), checked on the meta device: the published shapes, the layer
-patterns, the experts implementation per device and the errors. Running them takes a GPU
+"""The real-size builders (``hcpasses.testing.hf_models.real_*``), checked on the meta device: the published
+shapes, the layer patterns, the experts implementation per device and the errors. Running them takes a GPU
 (``tests/test_gpu.py::test_real_size_models_compile_and_count_exactly_on_cuda``)."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers import DeepseekV4Config
 
-from hcpasses.hf import real_deepseek_v4, real_qwen4_exp
-from hcpasses.hf.real import experts_for
+from hcpasses.testing.hf_models import experts_for, real_deepseek_v4, real_qwen4_exp
 
 
 def shapes(model: torch.nn.Module, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -78,7 +78,7 @@ def compiled_rank(rank: int, tp: int) -> dict[str, object]:
 
 
 def test_two_gloo_ranks_compile_qwen4_exp_with_sp() -> None:
-    from hcpasses.multiproc import run_ranks
+    from hcpasses.testing.multiproc import run_ranks
 
     results = run_ranks(compiled_rank, 2, timeout_s=600)
     expected = logits(build("qwen4_exp", True), token_ids(2, seed=6))

@@ -1,4 +1,4 @@
-"""hcpasses.hf.tiny: the tiny transformers HC models build deterministically and run eagerly."""
+"""hcpasses.testing.hf_models: the tiny transformers HC models build deterministically and run eagerly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_cases import FAMILIES, SEQ, logits, relative_error, token_ids
 
-from hcpasses.hf import tiny_deepseek_v4, tiny_qwen4_exp
+from hcpasses.testing.hf_models import tiny_deepseek_v4, tiny_qwen4_exp
 
 
 def test_same_seed_same_weights_other_seed_other_weights(family: str) -> None:

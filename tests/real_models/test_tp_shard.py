@@ -6,9 +6,10 @@ import pytest
 import torch
 from hf_cases import FAMILIES, logits, token_ids
 
-from hcpasses.hf import shard_for_tp, swap_fp8_linears, tiny_deepseek_v4, tiny_qwen4_exp
-from hcpasses.multiproc import run_ranks
-from models.fp8 import Fp8Linear
+from hcpasses.hf import shard_for_tp, swap_fp8_linears
+from hcpasses.testing.hf_models import tiny_deepseek_v4, tiny_qwen4_exp
+from hcpasses.testing.models.fp8 import Fp8Linear
+from hcpasses.testing.multiproc import run_ranks
 
 BATCHES = (1, 2)
 

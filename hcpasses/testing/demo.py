@@ -1,4 +1,4 @@
-"""``python -m hcpasses demo``: the built-in tiny HC model at TP 2 through the backend.
+"""``python -m hcpasses.testing.demo``: the tiny reference HC model at TP 2 through the backend.
 
 Starts ``--tp`` processes (gloo on CPU; NCCL when that many GPUs are present), builds the tiny
 reference model on each, compiles it with ``hcpasses.backend(dump_dir=...)``, and prints rank 0's
@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hcpasses.multiproc import run_ranks
+import hcpasses
+from hcpasses.testing.models import HCConfig, HCDecoder
+from hcpasses.testing.multiproc import run_ranks
 
 
 @dataclass(frozen=True)
@@ -24,18 +27,13 @@ class DemoResult:
     logits: torch.Tensor
 
 
-def _demo_config(fp8: bool, ple_layer: int | None):
-    from models import HCConfig  # the reference models ship with the repository, not with the backend
-
+def _demo_config(fp8: bool, ple_layer: int | None) -> HCConfig:
     return HCConfig.tiny(fp8=fp8, ple_layer=ple_layer, seed=1234)
 
 
 def _rank_main(
     rank: int, world_size: int, ids: torch.Tensor, fp8: bool, ple: int | None, dumps: str, sp_min_tokens: int
 ) -> DemoResult:
-    import hcpasses
-    from models import HCDecoder
-
     on_gpu = torch.cuda.is_available() and world_size <= torch.cuda.device_count()
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     model = HCDecoder(_demo_config(fp8, ple)).to(device)
@@ -47,8 +45,6 @@ def _rank_main(
 
 def run_demo(tp: int, tokens: int, fp8: bool, ple_layer: int | None, dump_dir: str, sp_min_tokens: int) -> float:
     """Run the demo, print what happened, return the max |compiled TP - eager single device|."""
-    from models import HCDecoder
-
     cfg = _demo_config(fp8, ple_layer)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -71,20 +67,21 @@ def run_demo(tp: int, tokens: int, fp8: bool, ple_layer: int | None, dump_dir: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hcpasses", description="hcpasses command line")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="compile the built-in tiny HC model at TP 2 and print the report")
-    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (processes), default 2")
-    demo.add_argument("--tokens", type=int, default=64, help="number of tokens T, default 64")
-    demo.add_argument(
+    parser = argparse.ArgumentParser(
+        prog="python -m hcpasses.testing.demo",
+        description="compile the tiny reference HC model at TP 2 through hcpasses and print the report",
+    )
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (processes), default 2")
+    parser.add_argument("--tokens", type=int, default=64, help="number of tokens T, default 64")
+    parser.add_argument(
         "--fp8",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="per-token FP8 sub-layer input projections, so the gated-mean + quant fusion fires (default on)",
     )
-    demo.add_argument("--ple-layer", type=int, default=None, help="layer index holding the PLE layer")
-    demo.add_argument("--dump-dir", default=os.environ.get("HCPASSES_DUMP_DIR", "hcpasses_dumps"))
-    demo.add_argument(
+    parser.add_argument("--ple-layer", type=int, default=None, help="layer index holding the PLE layer")
+    parser.add_argument("--dump-dir", default=os.environ.get("HCPASSES_DUMP_DIR", "hcpasses_dumps"))
+    parser.add_argument(
         "--sp-min-tokens", type=int, default=None, help="SP threshold (default: the demo's T, so SP fires)"
     )
     args = parser.parse_args(argv)
@@ -97,3 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: difference {max_diff:.3e} exceeds {tolerance:.0e}")
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -129,7 +129,7 @@ class MHCDecoderLayer(HCDecoderLayer):
 class MHCDecoder(HCDecoder):
     """The mHC model: ``input_ids [T] -> logits [T, vocab]`` (and optionally the HC state).
 
-    Same sub-layers, embedding, final norm and lm_head as :class:`~models.decoder.HCDecoder`; the HC blocks
+    Same sub-layers, embedding, final norm and lm_head as :class:`~.decoder.HCDecoder`; the HC blocks
     are mHC and the end is a :class:`ManifoldHyperHead`. Weights depend only on ``cfg`` (and the rank's
     slice), so every TP size computes the same function.
     """

@@ -3,7 +3,7 @@
 Layers ``i % 4 == 3`` hold causal GQA attention (16 heads x 256, 2 KV heads at real size); the others a
 linear-time token mixer with Gated DeltaNet (GDN) sized projections; every layer ends with a dense SwiGLU
 MLP (intermediate 5632). The HC blocks, embedding, final mixer, final norm and lm_head are the reference
-ones (``models.hc``), replicated under TP. Sub-layers are Megatron-sharded as in ``models.decoder``:
+ones (``.hc``), replicated under TP. Sub-layers are Megatron-sharded as in ``.decoder``:
 column-parallel in, row-parallel out plus an all-reduce; KV heads are replicated when tp > n_kv_heads.
 
 T tokens are ``n_seqs`` equal-length causal sequences, concatenated (``[T, hidden]``, vLLM style): the
@@ -283,7 +283,7 @@ class BenchDecoder(nn.Module):
 
     ``handwritten_sp=False``: plain TP (all-reduce after each sub-layer; what hcpasses rewrites).
     ``handwritten_sp=True``: the same weights and function with hand-written sequence parallelism
-    (streams row-sharded from the PLE, or from layer 0, to the end; ``models.sp_handwritten``).
+    (streams row-sharded from the PLE, or from layer 0, to the end; ``hcpasses.testing.models.sp_handwritten``).
     """
 
     def __init__(

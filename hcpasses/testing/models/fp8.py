@@ -15,7 +15,7 @@ __all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "Fp8ColumnParallelLinear", "Fp8L
 
 
 class Fp8ColumnParallelLinear(Fp8Linear):
-    """Column-parallel :class:`Fp8Linear` with the same weights as :class:`~models.tp.ColumnParallelLinear`.
+    """Column-parallel :class:`Fp8Linear` with the same weights as :class:`~.tp.ColumnParallelLinear`.
 
     The weight is quantised per output channel after sharding, which equals sharding the quantised full
     weight (each channel's scale depends only on that channel).

@@ -1,6 +1,6 @@
 """Hand-written sequence parallelism for the HC decoder: what serving teams write by hand today (ATOM).
 
-:class:`HandwrittenSPDecoder` holds exactly the weights of :class:`~models.decoder.HCDecoder` (it is a
+:class:`HandwrittenSPDecoder` holds exactly the weights of :class:`~.decoder.HCDecoder` (it is a
 subclass with the same ``__init__``) and computes the same function, but keeps the residual streams
 row-sharded across the TP ranks from layer to layer (DESIGN §4):
 
@@ -94,7 +94,7 @@ class RowShards:
 def fp8_linear_prequantized(
     layer: Fp8Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """:class:`~models.fp8.Fp8Linear`'s product from already quantised input (``q [T, in]``, ``scale [T, 1]``)."""
+    """:class:`~.fp8.Fp8Linear`'s product from already quantised input (``q [T, in]``, ``scale [T, 1]``)."""
     out_features, in_features = layer.weight_q.shape
     if q.is_cuda and out_dtype == torch.bfloat16 and in_features % 16 == 0 and out_features % 16 == 0:
         return torch._scaled_mm(
@@ -154,7 +154,7 @@ def mlp_partial(mlp: MLP, gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class HandwrittenSPDecoder(HCDecoder):
-    """:class:`~models.decoder.HCDecoder` with hand-written sequence parallelism (same weights, same function).
+    """:class:`~.decoder.HCDecoder` with hand-written sequence parallelism (same weights, same function).
 
     ``forward(input_ids [T], return_hc_state)`` returns what ``HCDecoder`` returns, replicated on every rank.
     """
