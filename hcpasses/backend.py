@@ -41,7 +41,7 @@ import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
 from hcpasses.config import HCPassesConfig
-from hcpasses.graph_pass import GraphPass
+from hcpasses.graph_pass import GraphPass, ShardedTokens
 from hcpasses.manager import PIPELINE, PassManager
 from hcpasses.report import GraphReport
 
@@ -154,11 +154,10 @@ class HCPassesBackend:
         if is_autograd_compile(gm, example_inputs):
             return self._compile(gm, example_inputs, self.autograd_manager, "autograd")[0]
         compiled, reports = self._compile(gm, example_inputs, self.manager, "only")
-        sharded = [r for r in reports if "sp_rewrite" in r.applied and r.record("sp_rewrite").status == "applied"]
-        symbol = sharded[0].record("sp_rewrite").facts.get("symbolic_tokens") if sharded else None
-        if symbol is not None:
-            return self._dispatch_on_tokens(gm, example_inputs, compiled, reports, symbol)
-        if self.config.cudagraphs and not sharded:
+        sharded = next((record.sharded for r in reports for record in r.passes if record.sharded), None)
+        if sharded is not None and sharded.symbolic:
+            return self._dispatch_on_tokens(gm, example_inputs, compiled, reports, sharded)
+        if self.config.cudagraphs and sharded is None:
             # Decode-size graphs: compile again with CUDA graphs (whether SP applies is only known
             # after the passes ran, inside the first compile).
             compiled, _ = self._compile(gm, example_inputs, self.unsharded_manager, "cudagraphs", cudagraphs=True)
@@ -170,19 +169,21 @@ class HCPassesBackend:
         example_inputs: Sequence[Any],
         sharded: Callable[..., Any],
         reports: list[GraphReport],
-        symbol: str,
+        decision: ShardedTokens,
     ) -> Callable[..., Any]:
         """With symbolic T the sharded graph is correct for every T; small T (decode) runs unsharded."""
-        tokens = TokenCount.find(gm, symbol)
+        tokens = TokenCount.find(gm, str(decision.tokens))
         if tokens is None:
-            log.warning("hcpasses: cannot find the token count %s among the graph inputs; always sharded", symbol)
+            log.warning(
+                "hcpasses: cannot find the token count %s among the graph inputs; always sharded", decision.tokens
+            )
             return sharded
         for report in reports:
             report.variant = "sharded"
         unsharded, _ = self._compile(
             gm, example_inputs, self.unsharded_manager, "unsharded", cudagraphs=self.config.cudagraphs
         )
-        dispatch = TokenDispatch(sharded, unsharded, tokens, self.config.sp_min_tokens)
+        dispatch = TokenDispatch(sharded, unsharded, tokens, decision.min_tokens)
         self.dispatchers.append(dispatch)
         return dispatch
 

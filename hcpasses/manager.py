@@ -4,8 +4,11 @@ Installed as Inductor's ``post_grad_custom_pre_pass`` (not the post pass: on CUD
 already rewritten softmax to ``prepare_softmax_online`` there and HC patterns stop matching). For
 every graph Inductor compiles it runs each registered pass whose flag is on, in ``PIPELINE`` order:
 
-    state -> pass.run -> verify (lint + fake shapes of what it touched) -> [dump the diff]
+    state -> pass.run -> [refresh fake values] -> verify (lint + fake shapes of what it touched) -> [dump]
                 \\ raises or fails verification: restore the state, record why
+
+A pass that resizes values (``GraphPass.resizes_values``: the SP rewrite) has the fake values of what it
+touched recomputed here, once, before the verification; the others' are checked against their records.
 
 A pass that fails is rolled back and recorded, never a crash and never a half-rewritten graph. The
 report of each graph goes to ``on_report`` (the backend's ``reports`` list).
@@ -37,7 +40,7 @@ from hcpasses.passes.cleanup import DeadCodeCleanup
 from hcpasses.passes.gated_mean_quant import GatedMeanQuantFusion
 from hcpasses.passes.sp_rewrite import SPRewrite
 from hcpasses.report import GraphReport, PassRecord
-from hcpasses.verify import GraphVerificationError, graph_state, restore_graph, verify_graph
+from hcpasses.verify import GraphVerificationError, graph_state, refresh_fake_values, restore_graph, verify_graph
 
 log = logging.getLogger("hcpasses")
 
@@ -132,8 +135,10 @@ class PassManager(CustomGraphPass):
             if not changed and result.applied:
                 count = result.applied
                 raise GraphVerificationError(f"the pass reported {count} rewrite(s) but left the graph unchanged")
-            # Runs again only the nodes the pass touched (since its last full propagation, if it made one).
-            verify_graph(graph, since=result.propagated or before)
+            since = before
+            if changed and graph_pass.resizes_values:  # new sizes are the point of the pass: record them
+                since = refresh_fake_values(graph, since=before) or before
+            verify_graph(graph, since=since)  # runs again only the nodes touched since
         except Exception as err:  # a failing pass must never fail the compile: roll it back
             restore_graph(graph, before)
             reason = f"rolled back: {type(err).__name__}: {err}"
@@ -141,7 +146,14 @@ class PassManager(CustomGraphPass):
             return PassRecord(name, "rolled_back", seconds=time.perf_counter() - start, reason=reason)
         status = "applied" if result.applied else "unchanged"
         record = PassRecord(
-            name, status, result.applied, seconds, result.reason, result.notes, facts=dict(result.facts)
+            name,
+            status,
+            result.applied,
+            seconds,
+            result.reason,
+            result.notes,
+            facts=dict(result.facts),
+            sharded=result.sharded,
         )
         if changed and dump is not None:
             record.dump = dump.write_pass(order, name, code_before, graph_code(graph))

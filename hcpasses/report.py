@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import Any, Literal
 
+from hcpasses.graph_pass import ShardedTokens
+
 PassStatus = Literal["applied", "unchanged", "disabled", "skipped", "unavailable", "rolled_back"]
 
 
@@ -17,7 +19,8 @@ class PassRecord:
     ``disabled`` (its flag is off), ``skipped`` (not run on this graph: an autograd graph, see
     ``hcpasses.manager.AUTOGRAD_REASON``), ``unavailable`` (no pass of that name is registered in this
     version), ``rolled_back`` (it raised or left a graph that failed verification; the graph was
-    restored). ``reason`` says why whenever the status is not ``applied``.
+    restored). ``reason`` says why whenever the status is not ``applied``. ``sharded``: the pass sharded the
+    graph's token rows (``hcpasses.graph_pass.ShardedTokens``), which the backend acts on.
     """
 
     name: str
@@ -27,7 +30,8 @@ class PassRecord:
     reason: str | None = None
     notes: tuple[str, ...] = ()
     dump: str | None = None
-    facts: dict[str, str] = dataclasses.field(default_factory=dict)
+    facts: dict[str, int] = dataclasses.field(default_factory=dict)
+    sharded: ShardedTokens | None = None
 
 
 @dataclasses.dataclass
@@ -82,5 +86,8 @@ class GraphReport:
     @classmethod
     def from_json(cls, text: str) -> GraphReport:
         data: dict[str, Any] = json.loads(text)
-        records = [PassRecord(**{**r, "notes": tuple(r["notes"])}) for r in data.pop("passes")]
+        records = [
+            PassRecord(**{**r, "notes": tuple(r["notes"]), "sharded": r["sharded"] and ShardedTokens(**r["sharded"])})
+            for r in data.pop("passes")
+        ]
         return cls(**data, passes=records)

@@ -10,10 +10,9 @@ alone were consistent before the pass and still read the same values, so by indu
 what re-running every node would, for the cost of the nodes touched (a full fake propagation of a
 377-node mHC graph took 0.14 s on CPU; the manager checks after every pass, on every rank's graph).
 
-A pass that ends by re-propagating every fake value (:func:`refresh_fake_values`, as the SP rewrite does)
-hands the manager the state that propagation left: every value in it is what its inputs give, so only what
-changed after it is run again (running the rest would repeat the propagation: 0.08 s per rank graph of a
-tp-8 spelled HC model, every rank).
+For a pass that resizes values (the SP rewrite) the manager first re-propagates the fake values of what it
+touched (:func:`refresh_fake_values`) and then verifies from the state that propagation left: every value in
+it is what its inputs give, so only what changed after it is run again.
 
 ``restore_graph`` puts a graph back as it was in a :class:`GraphState` (taken before a failed pass). FX has no
 transaction API, so the state keeps each node's name, type and a shallow copy of its meta besides what
@@ -77,7 +76,10 @@ class _FakeRepropagation(fx.Interpreter):
         self.overwrite = overwrite
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception as err:  # e.g. a sharded operand meeting a full-size one: name the node
+            raise GraphVerificationError(f"node {n.name} ({n.target}): its inputs do not propagate: {err}") from err
         if n.op in ("placeholder", "output"):
             return result
         recorded = n.meta.get("val")
@@ -195,8 +197,9 @@ def refresh_fake_values(graph: fx.Graph, since: GraphState | None = None) -> Gra
     ``since`` (the state before the rewrite) of the nodes touched since and, in turn, of the users of every
     value that changed (an SP rewrite leaves the sub-layers' values as they were: they read gathered rows).
 
-    Returns the graph's state right after (hand it to the manager as ``PassResult.propagated``), or ``None``
-    where the graph carries no fake values to propagate from.
+    Returns the graph's state right after (the manager verifies what changed since), or ``None`` where the
+    graph carries no fake values to propagate from. Raises ``GraphVerificationError`` naming a node whose
+    inputs no longer give a value (a sharded operand meeting a full-size one).
     """
     if since is not None and _rerun(graph, since.touched(graph), overwrite=True):
         return graph_state(graph)

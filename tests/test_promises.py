@@ -160,6 +160,7 @@ class Spy(GraphPass):
 
     def __init__(self, inner: GraphPass) -> None:
         self.inner, self.name, self.calls = inner, inner.name, 0
+        self.resizes_values = inner.resizes_values
 
     def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
         self.calls += 1

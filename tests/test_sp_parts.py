@@ -13,7 +13,7 @@ from hcpasses.passes.sp_rewrite.emit import RegionRewriter
 from hcpasses.passes.sp_rewrite.region import all_reduces, ancestors, find_regions, stream_value
 from hcpasses.patterns.collapse import CollapseFinder
 from hcpasses.testing.models import HCConfig, HCDecoder
-from hcpasses.verify import verify_graph
+from hcpasses.verify import refresh_fake_values, verify_graph
 
 LAYERS, TOKENS = 2, 9
 
@@ -51,6 +51,7 @@ def check_parts(ple_layer: int | None) -> None:
         assert sum(len(r.reduces) for r in plan.regions) == 2 * LAYERS
         for region in plan.regions:
             RegionRewriter(graph, region, plan.tokens, rank=0, tp=2).apply()
+        refresh_fake_values(graph)  # the manager's part after a resizing pass
         verify_graph(graph)
     # Each sub-layer input and the final mixer output are gathered; at the PLE cut, what the PLE reads: the
     # streams (h + conv) and the conv's input, whose row-local part the region computes.

@@ -78,6 +78,7 @@ class Snapshot(GraphPass):
     def __init__(self, inner: GraphPass) -> None:
         self.inner = inner
         self.name = inner.name
+        self.resizes_values = inner.resizes_values
         self.graphs: list[torch.fx.GraphModule] = []
 
     def run(self, graph: torch.fx.Graph, config: HCPassesConfig) -> PassResult:

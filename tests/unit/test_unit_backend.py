@@ -28,7 +28,7 @@ from hcpasses.backend import (
     symbol_position,
 )
 from hcpasses.config import HCPassesConfig
-from hcpasses.graph_pass import GraphPass, PassResult
+from hcpasses.graph_pass import GraphPass, PassResult, ShardedTokens
 
 backend_module = sys.modules["hcpasses.backend"]
 aten = torch.ops.aten
@@ -110,7 +110,7 @@ class FakeSP(GraphPass):
         if not self.applies:
             return PassResult(0, "no HC block")
         add_unused_neg(graph)
-        return PassResult(1, facts={"symbolic_tokens": self.symbol} if self.symbol else {})
+        return PassResult(1, sharded=ShardedTokens(self.symbol or 6, config.sp_min_tokens))
 
 
 class Compiles:

@@ -55,7 +55,7 @@ def test_cleanup_keeps_an_unused_collective_and_rng_of_a_post_grad_graph() -> No
 
 def test_pass_result_defaults() -> None:
     result = PassResult(2)
-    assert (result.applied, result.reason, result.notes, result.facts, result.propagated) == (2, None, (), {}, None)
+    assert (result.applied, result.reason, result.notes, result.facts, result.sharded) == (2, None, (), {}, None)
     assert PassResult(1).facts is not PassResult(1).facts
     with pytest.raises(TypeError):
         GraphPass()  # abstract: a pass must define run

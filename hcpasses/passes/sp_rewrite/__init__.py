@@ -52,13 +52,11 @@ emission (shards, reduce-scatters, gathers) is ``emit``; this file runs them and
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 import torch.fx as fx
 
 from hcpasses.config import HCPassesConfig
-from hcpasses.graph_pass import GraphPass, PassResult
+from hcpasses.graph_pass import GraphPass, PassResult, ShardedTokens
 from hcpasses.passes.sp_rewrite.emit import RegionRewriter
 from hcpasses.passes.sp_rewrite.region import all_reduces, find_regions
 from hcpasses.patterns.collapse import CollapseFinder
@@ -68,6 +66,7 @@ class SPRewrite(GraphPass):
     """Shards the HC streams by tokens: all-reduce -> reduce-scatter + all-gather around HC blocks."""
 
     name = "sp_rewrite"
+    resizes_values = True
 
     def __init__(self) -> None:
         self._finder = CollapseFinder()
@@ -95,11 +94,9 @@ class SPRewrite(GraphPass):
             return PassResult(0, f"T={tokens} < sp_min_tokens={config.sp_min_tokens}", tuple(notes))
         gathered: list[str] = []
         streams: list[str] = []
-        propagated = None
         for region in plan.regions:  # in graph order; the regions share no node
             rewriter = RegionRewriter(graph, region, tokens, rank, tp)
             exits = rewriter.apply()
-            propagated = rewriter.propagated
             gathered += exits
             streams += [name for name in exits if name in rewriter.stream_wide]
             notes += [
@@ -119,7 +116,6 @@ class SPRewrite(GraphPass):
             f"{'yes' if entries else 'no'} ({entries} full-size term(s) sharded where they join)",
             f"rows per rank: ceil({tokens}/{tp})",
         ]
-        facts: dict[str, Any] = {"streams_gathered": len(streams), "entries_sharded": entries, "cuts": len(plan.cuts)}
-        if not isinstance(tokens, int):
-            facts["symbolic_tokens"] = str(tokens)
-        return PassResult(sharded, None, tuple(notes), facts, propagated)
+        facts = {"streams_gathered": len(streams), "entries_sharded": entries, "cuts": len(plan.cuts)}
+        decision = ShardedTokens(tokens if isinstance(tokens, int) else str(tokens), config.sp_min_tokens)
+        return PassResult(sharded, None, tuple(notes), facts, decision)

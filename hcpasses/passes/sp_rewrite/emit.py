@@ -29,7 +29,6 @@ from hcpasses.passes.sp_rewrite.region import (
     token_dims,
 )
 from hcpasses.patterns.tracing import value_of
-from hcpasses.verify import GraphState, graph_state, refresh_fake_values
 
 
 class RegionRewriter:
@@ -49,8 +48,6 @@ class RegionRewriter:
         ]
         self.dims: dict[fx.Node, int] = {node: token_dims(first_tensor(value_of(node)), tokens) for node in touched}
         self.stream_wide: set[str] = set()  # names of gathered values as wide as the streams
-        self.before = graph_state(graph)  # fake values are re-propagated from what changed since
-        self.propagated: GraphState | None = None  # the graph's state once apply() re-propagated its fake values
         # The token sizes, N and R are computed right after the start, where every later use can read them.
         with graph.inserting_before(region.start.next):
             self.start_sizes = self._start_sizes()
@@ -117,7 +114,6 @@ class RegionRewriter:
                 if self._stream_wide(node):
                     self.stream_wide.add(node.name)
         self.graph.eliminate_dead_code()
-        self.propagated = refresh_fake_values(self.graph, since=self.before)
         return gathered
 
     def _stream_wide(self, node: fx.Node) -> bool:
