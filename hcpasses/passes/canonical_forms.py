@@ -42,13 +42,16 @@ it) with dtype and shape preconditions that a traced pattern cannot state.
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.patterns.tracing import split_streams, value_of
+
+if TYPE_CHECKING:
+    from hcpasses.config import HCPassesConfig
 
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default

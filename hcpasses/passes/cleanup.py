@@ -20,10 +20,14 @@ only after our passes ran, and they would show up in every dump.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.fx as fx
 
-from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
+
+if TYPE_CHECKING:
+    from hcpasses.config import HCPassesConfig
 
 
 class DeadCodeCleanup(GraphPass):

@@ -31,13 +31,12 @@ follows, when the quant differs in any constant or dtype, or when the collapse r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_graph_pattern
 
-from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.patterns.collapse import (
     FUSED_GATED_MEAN,
@@ -49,6 +48,9 @@ from hcpasses.patterns.collapse import (
     stream_split,
     traced_patterns,
 )
+
+if TYPE_CHECKING:
+    from hcpasses.config import HCPassesConfig
 
 
 class GatedMeanQuantFusion(GraphPass):

@@ -52,14 +52,18 @@ emission (shards, reduce-scatters, gathers) is ``emit``; this file runs them and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 import torch.fx as fx
 
-from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult, ShardedTokens
 from hcpasses.passes.sp_rewrite.emit import RegionRewriter
 from hcpasses.passes.sp_rewrite.region import all_reduces, find_regions
 from hcpasses.patterns.collapse import CollapseFinder
+
+if TYPE_CHECKING:
+    from hcpasses.config import HCPassesConfig
 
 
 class SPRewrite(GraphPass):
