@@ -1,9 +1,10 @@
 """Per-token FP8 (e4m3) quantisation and a PTPC-FP8 linear layer (DESIGN §5), for models the library
 rewrites (``hcpasses.hf.swap_fp8_linears``) and for the reference models (``hcpasses.testing.models.fp8``).
 
-Convention (vLLM's per-token kernel): ``scale = max(amax / 448, 1 / (448 * 512))`` with amax taken from x in
-its activation dtype, ``q = clamp(x / scale, -448, 448)`` cast with round-to-nearest-even. The clamp comes
-before the cast because torch 2.11 turns an overflowing cast into NaN.
+Convention (vLLM's per-token kernel): ``scale = max(amax / 448, 1 / (448 * 512))`` with amax taken from x
+upcast to fp32, ``q = clamp(x / scale, -448, 448)`` cast with round-to-nearest-even. The clamp comes before the
+cast because torch 2.11 turns an overflowing cast into NaN. Defined once, as
+:func:`hcpasses.kernels.contract.per_token_quant`.
 """
 
 from __future__ import annotations
@@ -11,24 +12,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# One set of constants for the quant, the fused kernels and their contract.
-from hcpasses.kernels.contract import FP8_DTYPE, FP8_MAX, MIN_SCALE
+# One set of constants and one quant for the reference models, the fused kernels and their contract.
+from hcpasses.kernels.contract import FP8_DTYPE, FP8_MAX, MIN_SCALE, per_token_quant
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "Fp8Linear", "quantize_per_token"]
 
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise each row of ``x [T, K]``: returns ``(q float8_e4m3fn [T, K], scale fp32 [T, 1])``.
-
-    ``q.float() * scale`` approximates x. A zero row gets the floor scale ``1/(448*512)`` and zero codes.
-    """
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    # Literals, not the module constants: under dynamic=True Dynamo turns a global float used as a
-    # divisor into a graph input, and the fusion pass can no longer see that the quant divides by 448.
-    scale = torch.clamp(amax / 448.0, min=1.0 / (448.0 * 512.0))
-    q = torch.clamp(xf / scale, -448.0, 448.0).to(FP8_DTYPE)
-    return q, scale
+# Quantise each row of ``x [T, K]``: ``(q float8_e4m3fn [T, K], scale fp32 [T, 1])``. The contract's function
+# itself, so that the quant Dynamo traces from model code is the one the fusion's patterns were traced from (its
+# constants are literals inside it: under dynamic=True Dynamo turns a global float into a graph input).
+quantize_per_token = per_token_quant
 
 
 class Fp8Linear(nn.Module):

@@ -74,16 +74,34 @@ def _ieee_div(a: torch.Tensor, divisor: float) -> torch.Tensor:
     return a / a.new_tensor(divisor)
 
 
-def quant_epilogue_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8 quant of ``x [T, K]``: ``(q float8_e4m3fn [T, K], scale fp32 [T, 1])``.
+def per_token_quant(x: torch.Tensor, *, ieee_division: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token FP8 quant (DESIGN §5, vLLM's convention) of ``x [..., K]``: ``(q float8_e4m3fn [..., K],
+    scale fp32 [..., 1])``, ``q.float() * scale`` approximating x.
 
-    The convention of :func:`hcpasses.fp8.quantize_per_token`, with IEEE division on every device.
+    ``scale = max(amax / 448, 1 / (448 * 512))`` with amax taken from x upcast to fp32, ``q = clamp(x / scale,
+    -448, 448)`` cast with round-to-nearest-even (the clamp comes before the cast: torch turns an overflowing
+    cast into NaN). A zero row gets the floor scale and zero codes.
+
+    The one definition: :func:`hcpasses.fp8.quantize_per_token` (the reference models' and ``Fp8Linear``'s
+    quant) is this function, the fusion pass traces it as the quant of its search patterns
+    (:mod:`hcpasses.patterns.gated_mean`), and the fused ops' torch reference is it with ``ieee_division``.
+    Written as model code writes it, since the traced pattern must match model code.
+
+    ``ieee_division``: divide amax by 448 held in a 0-dim tensor, so the division is IEEE-rounded on every device
+    (a Python-scalar divisor lets CUDA multiply by its rounded reciprocal instead); on CPU both are the same.
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.clamp(_ieee_div(amax, FP8_MAX), min=MIN_SCALE)
-    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # Literals, not the module constants: under dynamic=True Dynamo turns a global float used as a
+    # divisor into a graph input, and the fusion pass can no longer see that the quant divides by 448.
+    scale = torch.clamp(_ieee_div(amax, 448.0) if ieee_division else amax / 448.0, min=1.0 / (448.0 * 512.0))
+    q = torch.clamp(xf / scale, -448.0, 448.0).to(FP8_DTYPE)
     return q, scale
+
+
+def quant_epilogue_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused ops' quant of ``x [T, K]``: :func:`per_token_quant` with IEEE division on every device."""
+    return per_token_quant(x, ieee_division=True)
 
 
 def _fixed_order_sum(terms: torch.Tensor) -> torch.Tensor:

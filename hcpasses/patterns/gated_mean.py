@@ -15,7 +15,8 @@ pattern (``hcpasses.patterns.tracing``). They must be written exactly as model c
 - ``unrounded_mhc_collapse`` / ``unrounded_stacked_mhc_collapse``: the same sums left in fp32 over bf16 / fp16
   streams, with no rounding to the streams' dtype: written so, or what torch 2.11's ``pointless_convert``
   leaves of ``.to(h.dtype)`` followed by an upcast (a norm's or a quant's ``.float()``).
-- ``per_token_quant``: PTPC-FP8 activation quant (vLLM's convention, DESIGN §5).
+- ``per_token_quant``: PTPC-FP8 activation quant (vLLM's convention, DESIGN §5); defined once in
+  :mod:`hcpasses.kernels.contract` and re-exported here, so the pattern is the quant the models run.
 
 Streams are ``[..., n*S]`` stream-major (stream s is columns ``s*S:(s+1)*S``) or stacked ``[..., n, S]``;
 the leading dims are the tokens (``[T]`` in vLLM-style models, ``[batch, seq]`` in transformers).
@@ -25,7 +26,19 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
+# The per-token quant's one definition (the quant of the models, of Fp8Linear and of the fused ops' reference).
+from hcpasses.kernels.contract import per_token_quant
+
+__all__ = [
+    "activation_sum_gated_mean",
+    "atom_gated_mean",
+    "mhc_collapse",
+    "per_token_quant",
+    "stacked_mhc_collapse",
+    "transformers_gated_mean",
+    "unrounded_mhc_collapse",
+    "unrounded_stacked_mhc_collapse",
+]
 
 
 def transformers_gated_mean(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
@@ -62,12 +75,3 @@ def unrounded_mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int
 def unrounded_stacked_mhc_collapse(w: torch.Tensor, h: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
     """``sum_s w_s * h_s`` over stacked streams ``h [..., n, S]``, left in fp32."""
     return (w.unsqueeze(-1) * h).sum(-2)
-
-
-def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q float8_e4m3fn [T, K], scale fp32 [T, 1])``: ``scale = max(amax/448, 1/(448*512))``."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.clamp(amax / 448.0, min=1.0 / (448.0 * 512.0))
-    q = torch.clamp(xf / scale, -448.0, 448.0).to(FP8_DTYPE)
-    return q, scale

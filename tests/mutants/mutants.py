@@ -108,9 +108,10 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="quant_wrong_clamp",
-        fault="the fused op's CPU reference clamps the FP8 codes to +-240 (the e4m3fnuz range) instead of +-448",
+        fault="the per-token quant (the fused ops' CPU reference, the models' quant and the fusion's pattern)"
+        " clamps the FP8 codes to +-240 (the e4m3fnuz range) instead of +-448",
         file="hcpasses/kernels/contract.py",
-        old="""    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        old="""    q = torch.clamp(xf / scale, -448.0, 448.0).to(FP8_DTYPE)
 """,
         new="""    q = torch.clamp(xf / scale, -240.0, 240.0).to(FP8_DTYPE)
 """,
