@@ -8,24 +8,38 @@ reshapes addressed by dim) still applies to the shard.
 Slice first, then pad only the slice (padding the whole tensor first cost 2.5 GiB per rank at 131k
 tokens in the seed). Pad rows are zeros. A custom op rather than slice + pad in ATen: its fake impl
 states the padded size ``ceil(N/tp)`` directly, which the SP pass needs for symbolic sizes.
+
+The row arithmetic below is the one place it is written: it works on ints, SymInts and ``fx.Proxy`` values (the
+SP emission applies it to proxies of a symbolic N, which writes the same arithmetic into the graph).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 
-def rows_per_rank(tokens: int, world_size: int) -> int:
-    """``ceil(tokens / world_size)``; works on ints and SymInts."""
+def rows_per_rank(tokens: Any, world_size: int) -> Any:
+    """``R = ceil(tokens / world_size)``: the rows each rank holds."""
     return (tokens + world_size - 1) // world_size
+
+
+def pad_rows(tokens: Any, world_size: int) -> Any:
+    """``R * world_size - tokens``: the zero rows that make ``tokens`` rows split evenly across the ranks."""
+    return rows_per_rank(tokens, world_size) * world_size - tokens
+
+
+def shard_token_sizes(rows: Any, token_dims: int) -> list[Any]:
+    """A shard's token dims: ``[1, ..., 1, rows]`` (it keeps the rank of the value it shards)."""
+    return [*([1] * (token_dims - 1)), rows]
 
 
 def shard_shape(shape: torch.Size, token_dims: int, world_size: int) -> list:
     """The shape of a shard: token dims ``[1, ..., 1, R]``, the other dims unchanged."""
     rows = rows_per_rank(math.prod(shape[:token_dims]), world_size)
-    return [*([1] * (token_dims - 1)), rows, *shape[token_dims:]]
+    return [*shard_token_sizes(rows, token_dims), *shape[token_dims:]]
 
 
 @torch.library.custom_op("hcpasses::shard_rows", mutates_args=())

@@ -9,8 +9,11 @@ import torch
 from harness import capture_post_grad, fake_process_group
 from harness.reference import collective_counts
 
-from hcpasses.passes.sp_rewrite.emit import RegionRewriter
-from hcpasses.passes.sp_rewrite.region import all_reduces, ancestors, find_regions, stream_value
+from hcpasses.passes.sp_rewrite.collectives import find_all_reduces
+from hcpasses.passes.sp_rewrite.emit import rewrite_region
+from hcpasses.passes.sp_rewrite.graph import ancestors
+from hcpasses.passes.sp_rewrite.region import find_regions
+from hcpasses.passes.sp_rewrite.tokens import stream_value
 from hcpasses.patterns.collapse import CollapseFinder
 from hcpasses.testing.models import HCConfig, HCDecoder
 from hcpasses.verify import refresh_fake_values, verify_graph
@@ -27,8 +30,8 @@ def check_parts(ple_layer: int | None) -> None:
         [captured] = capture_post_grad(HCDecoder(cfg), (ids,), tp=2, rank=0, codegen=False)
         graph = captured.gm.graph
         collapses = CollapseFinder().find(graph)
-        reduces, why_not = all_reduces(graph)
-        assert why_not is None and len(reduces) == 2 * LAYERS
+        reduces = find_all_reduces(graph)
+        assert isinstance(reduces, tuple) and len(reduces) == 2 * LAYERS
         assert len(collapses) == 2 * LAYERS + 1  # attention and MLP HC per layer, the final mixer
         before = graph.python_code("self").src
         plan = find_regions(graph, collapses, reduces)
@@ -36,21 +39,21 @@ def check_parts(ple_layer: int | None) -> None:
         assert plan.tokens == TOKENS
         # Every block is sharded; the PLE conv (over tokens) cuts the blocks before it from those after it.
         if ple_layer is None:
-            assert plan.cuts == []
+            assert plan.cuts == ()
             [region] = plan.regions
-            assert region.collapses == collapses and region.why_start == "first HC block of the graph"
+            assert list(region.collapses) == collapses and region.why_start == "first HC block of the graph"
         else:
             [cut] = plan.cuts
             conv = next(node for node in graph.nodes if node.target is torch.ops.aten.convolution.default)
             assert cut.node in ancestors([conv]) and "tokens" in str(cut), cut  # the PLE conv's input layout
             first, second = plan.regions
-            assert first.collapses == collapses[: 2 * ple_layer]
-            assert second.collapses == collapses[2 * ple_layer :]
+            assert list(first.collapses) == collapses[: 2 * ple_layer]
+            assert list(second.collapses) == collapses[2 * ple_layer :]
             assert second.why_start == f"first HC block after {cut}"
         assert [r.start for r in plan.regions] == [stream_value(r.collapses[0]) for r in plan.regions]
         assert sum(len(r.reduces) for r in plan.regions) == 2 * LAYERS
         for region in plan.regions:
-            RegionRewriter(graph, region, plan.tokens, rank=0, tp=2).apply()
+            rewrite_region(graph, region, rank=0, tp=2)
         refresh_fake_values(graph)  # the manager's part after a resizing pass
         verify_graph(graph)
     # Each sub-layer input and the final mixer output are gathered; at the PLE cut, what the PLE reads: the
@@ -76,7 +79,7 @@ def test_analysis_without_a_region_names_the_node_that_stops_it() -> None:
         collapses = CollapseFinder().find(graph)
         before = graph.python_code("self").src
         plan = find_regions(graph, collapses, [])
-        assert plan.regions == [] and plan.cuts
+        assert plan.regions == () and plan.cuts
         first = plan.cuts[0]
         assert first.node is stream_value(collapses[0])
         why = "no all-reduce feeds an HC block after this point"

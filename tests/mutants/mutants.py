@@ -56,19 +56,20 @@ MUTANTS: tuple[Mutant, ...] = (
         fault="the SP all-gather sends the fp32 per-token FP8 scales as bf16 (rounded before the gather)",
         file="hcpasses/passes/sp_rewrite/emit.py",
         old="""            source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
-            flat = self._flatten_tokens(source, k)
-            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, self.group))
+            flat = self._flatten_tokens(source, k, rest)
+            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, group))
             waited = self.graph.call_function(WAIT, (gathered,))
 """,
         new="""            source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
             scales = val.dtype == torch.float32 and val.shape[-1] == 1  # per-token scales: half the bytes as bf16
+            convert = torch.ops.prims.convert_element_type.default
             if scales:
-                source = self.graph.call_function(prims.convert_element_type.default, (source, torch.bfloat16))
-            flat = self._flatten_tokens(source, k)
-            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, self.group))
+                source = self.graph.call_function(convert, (source, torch.bfloat16))
+            flat = self._flatten_tokens(source, k, rest)
+            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, group))
             waited = self.graph.call_function(WAIT, (gathered,))
             if scales:
-                waited = self.graph.call_function(prims.convert_element_type.default, (waited, torch.float32))
+                waited = self.graph.call_function(convert, (waited, torch.float32))
 """,
         tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_sp_off_and_eager[2-9-True-None]",),
     ),
@@ -96,10 +97,10 @@ MUTANTS: tuple[Mutant, ...] = (
         name="sp_reduce_scatter_wrong_dim",
         fault="the reduce-scatter splits the rows interleaved (rank r gets rows r, r+tp, ...) instead of in blocks",
         file="hcpasses/passes/sp_rewrite/emit.py",
-        old="""            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
+        old="""            padded = self._pad_rows(flat, len(shape) - k + 1)
 """,
-        new="""            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
-            rest = shape[self.dims[partial] :]
+        new="""            padded = self._pad_rows(flat, len(shape) - k + 1)
+            rest = shape[k:]
             blocks = self.graph.call_function(aten.reshape.default, (padded, [self.rows, self.tp, *rest]))
             swapped = self.graph.call_function(aten.transpose.int, (blocks, 0, 1))
             padded = self.graph.call_function(aten.reshape.default, (swapped, [-1, *rest]))
@@ -145,11 +146,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="sp_partial_sums_on_row_shards",
         fault="SP lets an unrecognised block's sub-layer compute its TP partial sums on row shards",
         file="hcpasses/passes/sp_rewrite/region.py",
-        old="""        for reduce, _ in reduces:
-            self._check_partial_sum(reduce, region)
+        old="""            verdict = self._check_partial_sum(match, nodes)
 """,
-        new="""        for reduce, _ in reduces:
-            del reduce  # the partial-sum check dropped
+        new="""            verdict = None  # the partial-sum check dropped
 """,
         tests=("tests/test_spellings.py::test_forms_that_would_change_numerics_are_left_alone_at_three_streams",),
         k="fp32_sum",

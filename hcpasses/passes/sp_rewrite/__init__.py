@@ -46,8 +46,11 @@ group, T >= ``sp_min_tokens`` (static T; with symbolic T the graph is correct fo
 backend dispatches small T to an unsharded variant), and some HC block has an all-reduce feeding a later
 HC block with only row-local nodes in between. Otherwise the graph is left untouched and the report says why.
 
-Code: the analysis (what is shardable, where regions start and are cut, why) is ``region``; the
-emission (shards, reduce-scatters, gathers) is ``emit``; this file runs them and reports.
+Code: analysis first, emission second. ``collectives`` finds the all-reduces (typed matches), ``tokens`` reads
+token dims and stream values, ``rules`` holds the row-locality checks, ``region`` builds the frozen ``Plan`` of
+``Region``s (every check and every size resolved there; a refusal is a ``NotShardable`` value, ``verdict``),
+``emit`` only inserts nodes; this file gates, runs them in that order and builds the report from the plan. The
+manager re-propagates the fake values afterwards (``resizes_values``).
 """
 
 from __future__ import annotations
@@ -58,8 +61,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from hcpasses.graph_pass import GraphPass, PassResult, ShardedTokens
-from hcpasses.passes.sp_rewrite.emit import RegionRewriter
-from hcpasses.passes.sp_rewrite.region import all_reduces, find_regions
+from hcpasses.passes.sp_rewrite.collectives import find_all_reduces
+from hcpasses.passes.sp_rewrite.emit import rewrite_region
+from hcpasses.passes.sp_rewrite.region import Plan, find_regions
+from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.collapse import CollapseFinder
 
 if TYPE_CHECKING:
@@ -82,44 +87,61 @@ class SPRewrite(GraphPass):
         collapses = self._finder.find(graph)
         if not collapses:
             return PassResult(0, "no HC block (stream collapse) in this graph")
-        reduces, why_not = all_reduces(graph)
-        notes = [f"HC blocks (collapses) found: {len(collapses)}", f"all-reduces: {len(reduces)}"]
+        reduces = find_all_reduces(graph)
+        notes = [f"HC blocks (collapses) found: {len(collapses)}"]
+        notes += [f"all-reduces: {0 if isinstance(reduces, NotShardable) else len(reduces)}"]
         lookalikes = self._finder.lookalike_note()
         if lookalikes:
             notes.append(lookalikes)
-        if why_not:
-            return PassResult(0, why_not, tuple(notes))
+        if isinstance(reduces, NotShardable):
+            return PassResult(0, str(reduces), tuple(notes))
         plan = find_regions(graph, collapses, reduces)
-        cuts = [f"region cut at {cut}" for cut in plan.cuts]
         if not plan.regions:
             return PassResult(0, "no shardable region: " + "; ".join(map(str, plan.cuts)), tuple(notes))
-        tokens = plan.tokens
-        if isinstance(tokens, int) and tokens < config.sp_min_tokens:
-            return PassResult(0, f"T={tokens} < sp_min_tokens={config.sp_min_tokens}", tuple(notes))
-        gathered: list[str] = []
-        streams: list[str] = []
+        if isinstance(plan.tokens, int) and plan.tokens < config.sp_min_tokens:
+            return PassResult(0, f"T={plan.tokens} < sp_min_tokens={config.sp_min_tokens}", tuple(notes))
         for region in plan.regions:  # in graph order; the regions share no node
-            rewriter = RegionRewriter(graph, region, tokens, rank, tp)
-            exits = rewriter.apply()
-            gathered += exits
-            streams += [name for name in exits if name in rewriter.stream_wide]
-            notes += [
-                f"region starts at {region.start.name}: {region.why_start}",
-                f"  HC blocks sharded: {len(region.collapses)}; region nodes: {len(region.nodes)}; "
-                f"{len(region.reduces)} all-reduce -> reduce-scatter; {len(exits)} all-gathers: {', '.join(exits)}",
-            ]
-        entries = sum(len(region.entries) for region in plan.regions)
+            rewrite_region(graph, region, rank, tp)
+        tokens = plan.tokens if isinstance(plan.tokens, int) else str(plan.tokens)
         sharded = sum(len(region.collapses) for region in plan.regions)
+        return PassResult(
+            sharded,
+            None,
+            (*notes, *_plan_notes(plan, len(collapses), tp)),
+            _plan_facts(plan),
+            ShardedTokens(tokens, config.sp_min_tokens),
+        )
+
+
+def _plan_notes(plan: Plan, found: int, tp: int) -> list[str]:
+    notes = []
+    for region in plan.regions:
+        gathered = ", ".join(exit_.value.name for exit_ in region.exits)
         notes += [
-            *cuts,
-            f"HC blocks sharded: {sharded} of {len(collapses)} in {len(plan.regions)} region(s)",
-            f"collectives: {sum(len(r.reduces) for r in plan.regions)} all-reduce -> reduce-scatter; "
-            f"{len(gathered)} all-gathers added",
-            f"stream-wide values gathered (n*S wide, e.g. a returned HC state): {', '.join(streams) or 'none'}",
-            f"streams continue into another HC stack without a gather (e.g. an MTP drafter): "
-            f"{'yes' if entries else 'no'} ({entries} full-size term(s) sharded where they join)",
-            f"rows per rank: ceil({tokens}/{tp})",
+            f"region starts at {region.start.name}: {region.why_start}",
+            f"  HC blocks sharded: {len(region.collapses)}; region nodes: {len(region.nodes)}; "
+            f"{len(region.reduces)} all-reduce -> reduce-scatter; {len(region.exits)} all-gathers: {gathered}",
         ]
-        facts = {"streams_gathered": len(streams), "entries_sharded": entries, "cuts": len(plan.cuts)}
-        decision = ShardedTokens(tokens if isinstance(tokens, int) else str(tokens), config.sp_min_tokens)
-        return PassResult(sharded, None, tuple(notes), facts, decision)
+    exits = [exit_ for region in plan.regions for exit_ in region.exits]
+    streams = [exit_.value.name for exit_ in exits if exit_.stream_wide]
+    entries = sum(len(region.entries) for region in plan.regions)
+    return [
+        *notes,
+        *(f"region cut at {cut}" for cut in plan.cuts),
+        f"HC blocks sharded: {sum(len(r.collapses) for r in plan.regions)} of {found} in {len(plan.regions)} region(s)",
+        f"collectives: {sum(len(r.reduces) for r in plan.regions)} all-reduce -> reduce-scatter; "
+        f"{len(exits)} all-gathers added",
+        f"stream-wide values gathered (n*S wide, e.g. a returned HC state): {', '.join(streams) or 'none'}",
+        f"streams continue into another HC stack without a gather (e.g. an MTP drafter): "
+        f"{'yes' if entries else 'no'} ({entries} full-size term(s) sharded where they join)",
+        f"rows per rank: ceil({plan.tokens}/{tp})",
+    ]
+
+
+def _plan_facts(plan: Plan) -> dict[str, int]:
+    exits = [exit_ for region in plan.regions for exit_ in region.exits]
+    return {
+        "streams_gathered": sum(exit_.stream_wide for exit_ in exits),
+        "entries_sharded": sum(len(region.entries) for region in plan.regions),
+        "cuts": len(plan.cuts),
+    }

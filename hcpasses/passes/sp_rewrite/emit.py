@@ -1,201 +1,146 @@
-"""SP emission: rewrites one analysed region in place (``region`` has accepted every node).
+"""SP emission: rewrites one analysed region in place. Every check ran in the analysis (``region``), every size is
+resolved there, so the emitters only insert nodes and rewire uses; a rewrite that starts always finishes.
 
-The start and full-size entries are sharded (``hcpasses::shard_rows``), each all-reduce becomes pad +
-reduce-scatter, size arguments of reshapes take ``[1, ..., 1, R]`` token dims, and every region value used
-outside the region is all-gathered (FP8 as bytes) and trimmed to the T rows.
+The start and the full-size entries are sharded (``hcpasses::shard_rows``), each all-reduce becomes pad +
+reduce-scatter, size arguments of reshapes take ``[1, ..., 1, R]`` token dims, and every exit is all-gathered
+(FP8 as bytes) and trimmed to the N rows. Row arithmetic is ``hcpasses.rows``'s, applied to ints or, for a
+symbolic N, to ``fx.Proxy`` values so that the same functions emit the graph's ``operator`` nodes.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-import hcpasses.rows  # noqa: F401  (registers torch.ops.hcpasses.shard_rows)
-from hcpasses.passes.sp_rewrite.region import (
-    SIZE_OPS,
-    SYM_SIZE,
-    WAIT,
-    NotRowLocal,
-    Region,
-    aten,
-    c10d,
-    first_tensor,
-    node_order,
-    same_size,
-    token_dims,
-)
+from hcpasses.passes.sp_rewrite.collectives import WAIT, AllReduceMatch, c10d
+from hcpasses.passes.sp_rewrite.region import SYM_SIZE, Exit, Region
+from hcpasses.passes.sp_rewrite.tokens import Size, SizeOf
 from hcpasses.patterns.tracing import value_of
+from hcpasses.rows import pad_rows, rows_per_rank, shard_token_sizes
+
+aten = torch.ops.aten
+SHARD_ROWS = torch.ops.hcpasses.shard_rows.default  # registered by importing hcpasses.rows
 
 
-class RegionRewriter:
-    """Rewrites one region in place (the analysis has already accepted every node in it)."""
+def rewrite_region(graph: fx.Graph, region: Region, rank: int, tp: int) -> tuple[str, ...]:
+    """Shard ``region`` for ``rank`` of ``tp``; returns the names of the values gathered at its exits."""
+    return _Emitter(graph, region, rank, tp).emit()
 
-    def __init__(self, graph: fx.Graph, region: Region, tokens: Any, rank: int, tp: int) -> None:
+
+class _Emitter:
+    def __init__(self, graph: fx.Graph, region: Region, rank: int, tp: int) -> None:
         self.graph, self.region, self.rank, self.tp = graph, region, rank, tp
-        self.group = region.reduces[0][0].args[2]
-        self.token_count = tokens  # N as an int or a SymInt expression
-        # Token dims of every value the rewrite touches, read off the unsharded shapes before any change
-        # (the analysis has checked that each has them).
-        touched = [
-            region.start,
-            *region.nodes,
-            *(ar.args[0] for ar, _ in region.reduces),
-            *(e for _, e in region.entries),
-        ]
-        self.dims: dict[fx.Node, int] = {node: token_dims(first_tensor(value_of(node)), tokens) for node in touched}
-        self.stream_wide: set[str] = set()  # names of gathered values as wide as the streams
-        # The token sizes, N and R are computed right after the start, where every later use can read them.
+
+    def emit(self) -> tuple[str, ...]:
+        region, graph = self.region, self.graph
+        # N, R and the start's token sizes right after the start, where every later use can read them.
         with graph.inserting_before(region.start.next):
-            self.start_sizes = self._start_sizes()
-            self.tokens, self.rows = self._token_sizes(tokens)
-
-    def _start_sizes(self) -> list[Any]:
-        """The sizes of the start's token dims: ints, or ``sym_size`` nodes of the (unsharded) start."""
-        start = self.region.start
-        return [
-            size if isinstance(size, int) else self.graph.call_function(SYM_SIZE, (start, dim))
-            for dim, size in enumerate(value_of(start).shape[: self.dims[start]])
-        ]
-
-    def _token_sizes(self, tokens: Any) -> tuple[Any, Any]:
-        """N and R = ceil(N/tp) as ints, or as graph nodes computing them when N is symbolic."""
-        if isinstance(tokens, int):
-            return tokens, -(-tokens // self.tp)
-        count, *others = self.start_sizes
-        for size in others:
-            count = self.graph.call_function(operator.mul, (count, size))
-        plus = self.graph.call_function(operator.add, (count, self.tp - 1))
-        return count, self.graph.call_function(operator.floordiv, (plus, self.tp))
-
-    def _size_of(self, expr: Any) -> Any:
-        """A token-dim size of some value, as an int or a node: one of the start's token sizes, or N."""
-        if isinstance(expr, int):
-            return expr
-        candidates = [
-            *zip(value_of(self.region.start).shape, self.start_sizes, strict=False),
-            (self.token_count, self.tokens),
-        ]
-        for size, node in candidates:
-            if same_size(expr, size):
-                return node
-        raise NotRowLocal(self.region.start, f"token size {expr} is neither N nor one of the start's sizes")
-
-    def _shard_sizes(self, node: fx.Node, sizes: list[Any]) -> list[Any]:
-        """``sizes`` of a value with the token dims of ``node`` replaced by ``[1, ..., 1, R]``."""
-        k = self.dims[node]
-        return [*([1] * (k - 1)), self.rows, *sizes[k:]]
-
-    def apply(self) -> list[str]:
-        region = self.region
-        self._keep_token_sizes()
+            self.start_sizes, self.tokens, self.rows = self._token_sizes()
+        for read, size in region.token_size_reads:
+            read.replace_all_uses_with(self._size(size))
+            graph.erase_node(read)
         anchor = self.rows if isinstance(self.rows, fx.Node) else region.start
-        with self.graph.inserting_after(anchor):
-            self._use_in_region(region.start, self._shard(region.start))
-        for node, operand in region.entries:
-            with self.graph.inserting_before(node):
-                node.replace_input_with(operand, self._shard(operand))
-        for all_reduce, wait in region.reduces:
-            self._reduce_scatter(all_reduce, wait)
-        for node in region.nodes:
-            if node.target in SIZE_OPS:
-                node.args = (node.args[0], self._shard_sizes(node, list(node.args[1])), *node.args[2:])
-        gathered = []
-        for node in sorted(region.nodes, key=node_order(self.graph).__getitem__):
-            outside = [u for u in node.users if u not in region.nodes]
-            if outside and isinstance(value_of(node), torch.Tensor):
-                full = self._gather(node)
-                for user in outside:
-                    user.replace_input_with(node, full)
-                gathered.append(node.name)
-                if self._stream_wide(node):
-                    self.stream_wide.add(node.name)
-        self.graph.eliminate_dead_code()
-        return gathered
+        with graph.inserting_after(anchor):
+            shard = self._shard(region.start)
+        for user in list(region.start.users):
+            if user in region.nodes:
+                user.replace_input_with(region.start, shard)
+        for entry in region.entries:
+            with graph.inserting_before(entry.user):
+                entry.user.replace_input_with(entry.operand, self._shard(entry.operand))
+        local = {match.wait: self._reduce_scatter(match) for match in region.reduces}
+        for node in region.reshapes:
+            sizes = [*shard_token_sizes(self.rows, region.dims[node]), *node.args[1][region.dims[node] :]]
+            node.args = (node.args[0], sizes, *node.args[2:])
+        for exit_ in region.exits:
+            source = local.get(exit_.value, exit_.value)
+            full = self._gather(source, exit_)
+            for user in exit_.users:
+                user.replace_input_with(source, full)
+        graph.eliminate_dead_code()
+        return tuple(exit_.value.name for exit_ in region.exits)
 
-    def _stream_wide(self, node: fx.Node) -> bool:
-        """Whether a value is as wide per token as the streams (n*S): the streams themselves or a state."""
-        start = value_of(self.region.start)
-        return same_size(
-            math.prod(value_of(node).shape[self.dims[node] :]), math.prod(start.shape[self.dims[self.region.start] :])
-        )
+    def _token_sizes(self) -> tuple[list[Any], Any, Any]:
+        """The start's token sizes, N and R = ceil(N/tp): ints, or nodes computing them when N is symbolic."""
+        start = self.region.start
+        if isinstance(self.region.tokens, int):
+            return list(self.region.start_sizes), self.region.tokens, rows_per_rank(self.region.tokens, self.tp)
+        sizes = [
+            size if isinstance(size, int) else self.graph.call_function(SYM_SIZE, (start, dim))
+            for dim, size in enumerate(self.region.start_sizes)
+        ]
+        tokens = functools.reduce(operator.mul, map(_proxy, sizes))
+        return sizes, _node(tokens), _node(rows_per_rank(tokens, self.tp))
 
-    def _keep_token_sizes(self) -> None:
-        """``sym_size(v, d)`` of a token dim d of a region value v: read it off the unsharded start instead."""
-        for node in list(self.graph.nodes):
-            if node.target is SYM_SIZE and node.args[0] in self.region.nodes:
-                source, dim = node.args
-                if dim < self.dims[source]:
-                    size = self._size_of(value_of(source).shape[dim])
-                    for user in list(node.users):
-                        user.args = fx.map_arg(user.args, lambda arg, old=node, new=size: new if arg is old else arg)
-                    self.graph.erase_node(node)
+    def _size(self, size: Size) -> Any:
+        if isinstance(size, SizeOf):
+            return self.tokens if size.dim is None else self.start_sizes[size.dim]
+        return size
 
     def _shard(self, value: fx.Node) -> fx.Node:
         """This rank's token rows of a full-size (replicated) value."""
-        return self.graph.call_function(
-            torch.ops.hcpasses.shard_rows.default, (value, self.rank, self.tp, self.dims[value])
-        )
+        return self.graph.call_function(SHARD_ROWS, (value, self.rank, self.tp, self.region.dims[value]))
 
-    def _use_in_region(self, old: fx.Node, new: fx.Node) -> None:
-        """Region nodes read ``new`` where they read ``old``; everything else keeps ``old``."""
-        for user in list(old.users):
-            if user in self.region.nodes:
-                user.replace_input_with(old, new)
-
-    def _reduce_scatter(self, all_reduce: fx.Node, wait: fx.Node) -> None:
-        partial = all_reduce.args[0]
+    def _reduce_scatter(self, match: AllReduceMatch) -> fx.Node:
+        """``wait(all_reduce(partial))`` -> this rank's rows of the sum: pad to R*tp rows, reduce-scatter."""
+        partial, k = match.partial, self.region.dims[match.partial]
         shape = list(value_of(partial).shape)
-        with self.graph.inserting_before(all_reduce):
-            flat = self._flatten_tokens(partial, self.dims[partial])
-            padded = self._pad_rows(flat, len(shape) - self.dims[partial] + 1)
+        with self.graph.inserting_before(match.all_reduce):
+            flat = self._flatten_tokens(partial, k, shape[k:])
+            padded = self._pad_rows(flat, len(shape) - k + 1)
             scattered = self.graph.call_function(
-                c10d.reduce_scatter_tensor.default, (padded, "sum", self.tp, self.group)
+                c10d.reduce_scatter_tensor.default, (padded, "sum", self.tp, self.region.group)
             )
-            new_wait = self.graph.call_function(WAIT, (scattered,))
-            local = new_wait
-            if self.dims[partial] > 1:
-                local = self.graph.call_function(aten.reshape.default, (new_wait, self._shard_sizes(partial, shape)))
-        self.dims[local] = self.dims[partial]
-        self.region.nodes.add(local)  # its users outside the region get a gather like any region value
-        wait.replace_all_uses_with(local)
-        self.graph.erase_node(wait)  # collectives are impure: dead-code elimination keeps them
-        self.graph.erase_node(all_reduce)
+            local = self.graph.call_function(WAIT, (scattered,))
+            if k > 1:
+                local = self.graph.call_function(
+                    aten.reshape.default, (local, [*shard_token_sizes(self.rows, k), *shape[k:]])
+                )
+        match.wait.replace_all_uses_with(local)
+        self.graph.erase_node(match.wait)  # collectives are impure: dead-code elimination keeps them
+        self.graph.erase_node(match.all_reduce)
+        return local
 
-    def _flatten_tokens(self, node: fx.Node, k: int) -> fx.Node:
-        """``node`` reshaped to ``[tokens, rest...]`` (a no-op when it has one token dim)."""
+    def _flatten_tokens(self, node: fx.Node, k: int, rest: list[Any]) -> fx.Node:
+        """``node`` (``k`` token dims, then ``rest``) reshaped to ``[tokens, *rest]`` (a no-op for one token dim);
+        ``rest`` are ints: the analysis rejects symbolic sizes after several token dims."""
         if k == 1:
             return node
-        rest = list(value_of(node).shape[k:])  # ints: _check_rows rejects symbolic sizes after the token dims
         return self.graph.call_function(aten.reshape.default, (node, [-1, *rest]))
 
     def _pad_rows(self, flat: fx.Node, ndim: int) -> fx.Node:
         """``flat [N, ...]`` (``ndim`` dims) padded with zero rows to ``[R*tp, ...]``."""
-        if isinstance(self.tokens, int) and self.tokens % self.tp == 0:
-            return flat
         if isinstance(self.tokens, int):
-            missing: Any = self.rows * self.tp - self.tokens
+            missing: Any = pad_rows(self.tokens, self.tp)
+            if missing == 0:
+                return flat
         else:
-            total = self.graph.call_function(operator.mul, (self.rows, self.tp))
-            missing = self.graph.call_function(operator.sub, (total, self.tokens))
+            missing = _node(pad_rows(_proxy(self.tokens), self.tp))
         pad = [0, 0] * (ndim - 1) + [0, missing]
         return self.graph.call_function(aten.constant_pad_nd.default, (flat, pad, 0.0))
 
-    def _gather(self, node: fx.Node) -> fx.Node:
-        """All token rows of a region value: all_gather (FP8 as uint8 bytes), trim the pad rows, restore
-        the token dims."""
-        val, k = value_of(node), self.dims[node]
-        as_bytes = val.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    def _gather(self, node: fx.Node, exit_: Exit) -> fx.Node:
+        """All token rows of a region value: all_gather (FP8 as uint8 bytes), trim the pad rows, restore the token
+        dims."""
+        k, val, as_bytes = self.region.dims[exit_.value], value_of(exit_.value), exit_.as_bytes
+        rest, group = list(val.shape[k:]), self.region.group
         with self.graph.inserting_before(node.next):  # keeps the new nodes in order, right after node
             source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
-            flat = self._flatten_tokens(source, k)
-            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, self.group))
+            flat = self._flatten_tokens(source, k, rest)
+            gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, group))
             waited = self.graph.call_function(WAIT, (gathered,))
             full = self.graph.call_function(aten.slice.Tensor, (waited, 0, 0, self.tokens))
             if k > 1:
-                sizes = [self._size_of(size) for size in val.shape[:k]] + list(val.shape[k:])
-                full = self.graph.call_function(aten.reshape.default, (full, sizes))
+                full = self.graph.call_function(aten.reshape.default, (full, [*map(self._size, exit_.sizes), *rest]))
             return self.graph.call_function(aten.view.dtype, (full, val.dtype)) if as_bytes else full
+
+def _proxy(value: Any) -> Any:
+    return fx.Proxy(value) if isinstance(value, fx.Node) else value
+
+
+def _node(value: Any) -> Any:
+    return value.node if isinstance(value, fx.Proxy) else value
