@@ -11,7 +11,7 @@ from harness.graphs import traced
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.passes.cleanup import DeadCodeCleanup
-from hcpasses.rows import rows_per_rank, shard_rows, shard_shape
+from hcpasses.rows import pad_rows, rows_per_rank, shard_rows, shard_shape, shard_token_sizes
 
 aten = torch.ops.aten
 
@@ -66,6 +66,25 @@ def test_pass_result_defaults() -> None:
 )
 def test_rows_per_rank_is_the_ceiling(tokens: int, world: int, rows: int) -> None:
     assert rows_per_rank(tokens, world) == rows
+
+
+@pytest.mark.parametrize(("tokens", "world", "pad"), [(8, 2, 0), (9, 2, 1), (1, 8, 7), (10, 4, 2), (5, 1, 0)])
+def test_pad_rows_make_the_rows_split_evenly(tokens: int, world: int, pad: int) -> None:
+    assert pad_rows(tokens, world) == pad and (tokens + pad) % world == 0
+
+
+def test_row_arithmetic_on_proxies_writes_it_into_the_graph() -> None:
+    """The SP emission applies rows.py to fx proxies of a symbolic N: the graph then computes what ints give."""
+    graph = torch.fx.Graph()
+    tokens = torch.fx.Proxy(graph.placeholder("tokens"))
+    graph.output((rows_per_rank(tokens, 4).node, pad_rows(tokens, 4).node))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert [module(n) for n in (1, 8, 10)] == [(1, 3), (2, 0), (3, 2)]
+
+
+def test_shard_token_sizes_are_ones_then_the_rows() -> None:
+    assert shard_token_sizes(5, 1) == [5]
+    assert shard_token_sizes("R", 3) == [1, 1, "R"]
 
 
 def test_shard_shape_keeps_rank_and_trailing_dims() -> None:
