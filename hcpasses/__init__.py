@@ -7,18 +7,20 @@ print(be.reports[-1])
 """
 
 from hcpasses.backend import HCPassesBackend, backend, compile_with_defaults, default_backend
-from hcpasses.config import PASS_NAMES, HCPassesConfig
+from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
+from hcpasses.passes import PASSES, PassSpec
 from hcpasses.report import GraphReport, PassRecord
 
 __all__ = [
-    "PASS_NAMES",
+    "PASSES",
     "GraphPass",
     "GraphReport",
     "HCPassesBackend",
     "HCPassesConfig",
     "PassRecord",
     "PassResult",
+    "PassSpec",
     "backend",
     "compile_with_defaults",
     "default_backend",

@@ -5,10 +5,11 @@
     compiled(x)
     print(be.reports[-1])
 
-Variants: when the SP rewrite shards a graph whose token count T is symbolic, the same Dynamo graph is
-compiled a second time without SP and a ``TokenDispatch`` runs the sharded graph for T >=
-``sp_min_tokens`` and the unsharded one below (decode sizes keep the plain graph). With
-``cudagraphs=True`` only unsharded graphs are compiled with CUDA graphs.
+Variants: when a pass shards a graph whose token count T is symbolic (its record carries a
+``ShardedTokens``: the SP rewrite's), the same Dynamo graph is compiled a second time with that pass
+off and a ``TokenDispatch`` runs the sharded graph for T >= ``min_tokens`` and the unsharded one below
+(decode sizes keep the plain graph). With ``cudagraphs=True`` only unsharded graphs are compiled with
+CUDA graphs: a graph no pass sharded is compiled again with them, under the same pipeline.
 
 ``torch.compile(model, backend="hcpasses")`` finds ``compile_with_defaults`` through the
 ``torch_dynamo_backends`` entry point; its reports are on ``hcpasses.default_backend().reports``.
@@ -25,7 +26,6 @@ compiled (keyed by the same uuid, the Dynamo graph's code and the input metadata
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import getpass
 import hashlib
@@ -40,9 +40,10 @@ import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
+import hcpasses.passes as registry
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, ShardedTokens
-from hcpasses.manager import PIPELINE, PassManager
+from hcpasses.manager import PassManager
 from hcpasses.report import GraphReport
 
 log = logging.getLogger("hcpasses")
@@ -129,15 +130,23 @@ class TokenDispatch:
 class HCPassesBackend:
     """A ``torch.compile`` backend object; ``reports`` holds one ``GraphReport`` per compiled graph."""
 
-    def __init__(self, config: HCPassesConfig, passes: Sequence[GraphPass] = PIPELINE) -> None:
+    def __init__(self, config: HCPassesConfig, passes: Sequence[GraphPass] | None = None) -> None:
         self.config = config
+        self.passes = registry.pipeline() if passes is None else tuple(passes)
         self.reports: list[GraphReport] = []
         self.dispatchers: list[TokenDispatch] = []  # one per graph compiled in two variants
-        self.manager = PassManager(config, self._add_report, passes)
-        # The variant for small T when T is symbolic: the same pipeline without the SP rewrite.
-        self.unsharded_manager = PassManager(dataclasses.replace(config, sp_rewrite=False), self._add_report, passes)
-        self.autograd_manager = PassManager(config, self._add_report, passes, autograd=True)
+        self.manager = PassManager(config, self._add_report, self.passes)
+        self.autograd_manager = PassManager(config, self._add_report, self.passes, autograd=True)
+        self._unsharded_managers: dict[str, PassManager] = {}
         self._report_store = Path(tempfile.gettempdir()) / f"hcpasses_reports_{getpass.getuser()}"
+
+    def unsharded_manager(self, sharding_pass: str) -> PassManager:
+        """The pipeline of the variant for small T of a graph that pass ``sharding_pass`` sharded: the same passes,
+        that one off (built once per pass, so that its uuid, and with it the cache keys, stay the same)."""
+        if sharding_pass not in self._unsharded_managers:
+            config = self.config.with_passes(**{sharding_pass: False})
+            self._unsharded_managers[sharding_pass] = PassManager(config, self._add_report, self.passes)
+        return self._unsharded_managers[sharding_pass]
 
     def _add_report(self, report: GraphReport) -> None:
         report.index = len(self.reports)
@@ -154,13 +163,13 @@ class HCPassesBackend:
         if is_autograd_compile(gm, example_inputs):
             return self._compile(gm, example_inputs, self.autograd_manager, "autograd")[0]
         compiled, reports = self._compile(gm, example_inputs, self.manager, "only")
-        sharded = next((record.sharded for r in reports for record in r.passes if record.sharded), None)
-        if sharded is not None and sharded.symbolic:
-            return self._dispatch_on_tokens(gm, example_inputs, compiled, reports, sharded)
-        if self.config.cudagraphs and sharded is None:
-            # Decode-size graphs: compile again with CUDA graphs (whether SP applies is only known
-            # after the passes ran, inside the first compile).
-            compiled, _ = self._compile(gm, example_inputs, self.unsharded_manager, "cudagraphs", cudagraphs=True)
+        sharding = next((record for r in reports for record in r.passes if record.sharded), None)
+        if sharding is not None and sharding.sharded.symbolic:
+            return self._dispatch_on_tokens(gm, example_inputs, compiled, reports, sharding.name, sharding.sharded)
+        if self.config.cudagraphs and sharding is None:
+            # Decode-size graphs: compile again with CUDA graphs (whether a pass shards is only known after
+            # the passes ran, inside the first compile; on the same graph they shard nothing again).
+            compiled, _ = self._compile(gm, example_inputs, self.manager, "cudagraphs", cudagraphs=True)
         return compiled
 
     def _dispatch_on_tokens(
@@ -169,9 +178,11 @@ class HCPassesBackend:
         example_inputs: Sequence[Any],
         sharded: Callable[..., Any],
         reports: list[GraphReport],
+        sharding_pass: str,
         decision: ShardedTokens,
     ) -> Callable[..., Any]:
-        """With symbolic T the sharded graph is correct for every T; small T (decode) runs unsharded."""
+        """With symbolic T the sharded graph is correct for every T; small T (decode) runs unsharded: the
+        same graph compiled with ``sharding_pass`` off."""
         tokens = TokenCount.find(gm, str(decision.tokens))
         if tokens is None:
             log.warning(
@@ -180,9 +191,8 @@ class HCPassesBackend:
             return sharded
         for report in reports:
             report.variant = "sharded"
-        unsharded, _ = self._compile(
-            gm, example_inputs, self.unsharded_manager, "unsharded", cudagraphs=self.config.cudagraphs
-        )
+        manager = self.unsharded_manager(sharding_pass)
+        unsharded, _ = self._compile(gm, example_inputs, manager, "unsharded", cudagraphs=self.config.cudagraphs)
         dispatch = TokenDispatch(sharded, unsharded, tokens, decision.min_tokens)
         self.dispatchers.append(dispatch)
         return dispatch

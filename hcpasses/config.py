@@ -4,6 +4,14 @@
 and returns the config every other module reads. Nothing else in the package reads flags or the
 environment.
 
+Two kinds of flag, each defined in one place:
+
+- one boolean per pass, named as the pass: the registry ``hcpasses.passes.PASSES`` gives their names, defaults
+  and order. The config holds their values in ``pass_flags``; the manager asks ``pass_enabled(name)``.
+- the options (``sp_min_tokens``, ``dump_dir``, ``cudagraphs``): the fields made by ``option``, whose metadata
+  holds their valid values, their help and their environment variable. A pass reads the options its
+  ``PassSpec.reads`` names.
+
 Environment overrides (they win over flags, so an operator can switch a pass off without touching
 code):
 
@@ -16,16 +24,44 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import hcpasses.passes as registry
 
 log = logging.getLogger("hcpasses")
 
-# One boolean flag per pass, in the order the manager runs them.
-PASS_NAMES: tuple[str, ...] = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
-
 ENV_DISABLE = "HCPASSES_DISABLE"
 ENV_DUMP_DIR = "HCPASSES_DUMP_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class Values:
+    """The values a flag takes: ``phrase`` for messages and the flags table, ``accepts`` to check one."""
+
+    phrase: str
+    accepts: Callable[[Any], bool]
+
+
+BOOL = Values("True or False", lambda value: isinstance(value, bool))
+POSITIVE_INT = Values("an int >= 1", lambda value: type(value) is int and value >= 1)
+PATH_OR_NONE = Values(
+    "a non-empty path string or None", lambda value: value is None or (isinstance(value, str) and value != "")
+)
+
+
+def option(default: Any, values: Values, help: str, env: str | None = None) -> Any:
+    """A field of ``HCPassesConfig`` that is an option: a flag that is not a pass."""
+    return dataclasses.field(default=default, metadata={"values": values, "help": help, "env": env})
+
+
+def _check(name: str, value: Any, values: Values) -> None:
+    if not values.accepts(value):
+        raise ValueError(f"hcpasses flag {name!r} must be {values.phrase}, got {value!r}")
+
+
+def _registry_defaults() -> tuple[tuple[str, bool], ...]:
+    return tuple((spec.name, spec.default) for spec in registry.PASSES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,47 +69,50 @@ class HCPassesConfig:
     """The resolved configuration of one backend object.
 
     Attributes:
-        canonical_forms: rewrite equivalent quant spellings into the fusion's form (exact rewrites only).
-        cleanup: run the built-in cleanup pass (removes ops whose results nothing uses).
-        gated_mean_quant: fuse the HC gated mean with the per-token FP8 quant that follows it.
-        sp_rewrite: shard the HC residual streams by tokens across TP ranks.
-        sp_min_tokens: below this many tokens the SP rewrite is not worth its collectives.
-        dump_dir: where graph diff dumps go; ``None`` writes none.
-        cudagraphs: capture the unsharded graphs (T < sp_min_tokens: decode sizes) as CUDA graphs,
-            like ``mode="reduce-overhead"``; sharded graphs are never captured.
+        pass_flags: ``(name, on)`` of every pass, in pipeline order (``hcpasses.passes.PASSES``); not a flag itself:
+            each pass is its own flag (``backend(sp_rewrite=False)``). Read them with ``pass_enabled(name)``.
+        sp_min_tokens, dump_dir, cudagraphs: the options; what each means is in its field's ``help``
+            (``python -m hcpasses flags``).
         disabled_by_env: not a flag (``resolve`` refuses it): the passes ``HCPASSES_DISABLE`` turned off, in
             pipeline order, so that a report gives the environment as the reason, not a flag the user never set.
     """
 
-    canonical_forms: bool = True
-    cleanup: bool = True
-    gated_mean_quant: bool = True
-    sp_rewrite: bool = True
-    sp_min_tokens: int = 1024
-    dump_dir: str | None = None
-    cudagraphs: bool = False
-    disabled_by_env: tuple[str, ...] = dataclasses.field(default=(), metadata={"flag": False})
+    pass_flags: tuple[tuple[str, bool], ...] = dataclasses.field(default_factory=_registry_defaults)
+    sp_min_tokens: int = option(1024, POSITIVE_INT, "below this many tokens SP is not worth its collectives")
+    dump_dir: str | None = option(
+        None,
+        PATH_OR_NONE,
+        "write graph diff dumps here (bypasses Inductor's caches so that every compile writes its dumps)",
+        env=ENV_DUMP_DIR,
+    )
+    cudagraphs: bool = option(
+        False,
+        BOOL,
+        "capture the graphs no pass sharded (decode sizes: T < sp_min_tokens) as CUDA graphs, like "
+        '`mode="reduce-overhead"`; sharded graphs are never captured',
+    )
+    disabled_by_env: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in (*PASS_NAMES, "cudagraphs"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"hcpasses flag {name!r} must be True or False, got {value!r}")
-        if isinstance(self.sp_min_tokens, bool) or not isinstance(self.sp_min_tokens, int):
-            raise ValueError(f"hcpasses flag 'sp_min_tokens' must be an int >= 1, got {self.sp_min_tokens!r}")
-        if self.sp_min_tokens < 1:
-            raise ValueError(f"hcpasses flag 'sp_min_tokens' must be an int >= 1, got {self.sp_min_tokens}")
-        if self.dump_dir is not None and (not isinstance(self.dump_dir, str) or not self.dump_dir):
-            raise ValueError(f"hcpasses flag 'dump_dir' must be a non-empty path string or None, got {self.dump_dir!r}")
-        unknown = sorted(set(self.disabled_by_env) - set(PASS_NAMES))
+        for name, on in self.pass_flags:
+            _check(name, on, BOOL)
+        for field in self.options():
+            _check(field.name, getattr(self, field.name), field.metadata["values"])
+        unknown = sorted(set(self.disabled_by_env) - set(self.pass_names))
         if unknown:
             raise ValueError(
-                f"disabled_by_env names unknown pass(es) {unknown}; valid passes are: {', '.join(PASS_NAMES)}"
+                f"disabled_by_env names unknown pass(es) {unknown}; valid passes are: {', '.join(self.pass_names)}"
             )
 
     @classmethod
+    def options(cls) -> tuple[dataclasses.Field, ...]:
+        """The fields that are options (flags that are not passes), in field order."""
+        return tuple(field for field in dataclasses.fields(cls) if "values" in field.metadata)
+
+    @classmethod
     def flag_names(cls) -> tuple[str, ...]:
-        return tuple(field.name for field in dataclasses.fields(cls) if field.metadata.get("flag", True))
+        """Every flag ``resolve`` takes: the passes in pipeline order, then the options."""
+        return (*registry.names(), *(field.name for field in cls.options()))
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **flags: Any) -> HCPassesConfig:
@@ -82,6 +121,7 @@ class HCPassesConfig:
         Raises ``ValueError`` naming the valid flags (or values) for an unknown flag, a bad value,
         or an unknown pass name in ``HCPASSES_DISABLE``.
         """
+        check_registry(cls)
         unknown = sorted(set(flags) - set(cls.flag_names()))
         if unknown:
             raise ValueError(
@@ -89,28 +129,41 @@ class HCPassesConfig:
             )
         if isinstance(flags.get("dump_dir"), os.PathLike):
             flags["dump_dir"] = os.fspath(flags["dump_dir"])
-        config = cls(**flags)
+        pass_flags = {name: flags.pop(name) for name in registry.names() if name in flags}
+        config = cls(**flags).with_passes(**pass_flags)
         config = config._with_env(os.environ if env is None else env)
         log.info("hcpasses config: %s", config.describe())
         return config
 
     def _with_env(self, env: Mapping[str, str]) -> HCPassesConfig:
-        overrides: dict[str, Any] = {}
         disabled = [name.strip() for name in env.get(ENV_DISABLE, "").split(",") if name.strip()]
-        bad = sorted(set(disabled) - set(PASS_NAMES))
+        bad = sorted(set(disabled) - set(self.pass_names))
         if bad:
             raise ValueError(
-                f"{ENV_DISABLE} names unknown pass(es) {', '.join(bad)}; valid passes are: {', '.join(PASS_NAMES)}"
+                f"{ENV_DISABLE} names unknown pass(es) {', '.join(bad)}; valid passes are: {', '.join(self.pass_names)}"
             )
-        overrides.update(dict.fromkeys(disabled, False))
+        overrides: dict[str, Any] = {}
         if disabled:
-            overrides["disabled_by_env"] = tuple(name for name in PASS_NAMES if name in disabled)
-        if env.get(ENV_DUMP_DIR):
-            overrides["dump_dir"] = env[ENV_DUMP_DIR]
-        return dataclasses.replace(self, **overrides) if overrides else self
+            overrides["disabled_by_env"] = tuple(name for name in self.pass_names if name in disabled)
+        for field in self.options():
+            variable = field.metadata["env"]
+            if variable and env.get(variable):
+                overrides[field.name] = env[variable]
+        return dataclasses.replace(self.with_passes(**dict.fromkeys(disabled, False)), **overrides)
+
+    @property
+    def pass_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.pass_flags)
 
     def pass_enabled(self, name: str) -> bool:
-        return bool(getattr(self, name))
+        return dict(self.pass_flags)[name]
+
+    def with_passes(self, **flags: bool) -> HCPassesConfig:
+        """This config with these passes' flags set (the backend's unsharded variant: the sharding pass off)."""
+        unknown = sorted(set(flags) - set(self.pass_names))
+        if unknown:
+            raise ValueError(f"unknown pass(es) {', '.join(unknown)}; passes are: {', '.join(self.pass_names)}")
+        return dataclasses.replace(self, pass_flags=tuple((name, flags.get(name, on)) for name, on in self.pass_flags))
 
     def why_disabled(self, name: str) -> str:
         """The reason a report gives for a pass that is off: the environment, or the flag."""
@@ -119,4 +172,22 @@ class HCPassesConfig:
         return f"flag {name}=False"
 
     def describe(self) -> str:
-        return ", ".join(f"{field.name}={getattr(self, field.name)!r}" for field in dataclasses.fields(self))
+        """Every flag and its value, as ``name=value``, then ``disabled_by_env``."""
+        values = [*self.pass_flags, *((field.name, getattr(self, field.name)) for field in self.options())]
+        values.append(("disabled_by_env", self.disabled_by_env))
+        return ", ".join(f"{name}={value!r}" for name, value in values)
+
+
+def check_registry(config: type[HCPassesConfig] = HCPassesConfig) -> None:
+    """The registry's passes have one name each, none an option's, and read only options of the config."""
+    names = registry.names()
+    options = [field.name for field in config.options()]
+    clashes = sorted({name for name in names if names.count(name) > 1} | (set(names) & set(options)))
+    if clashes:
+        raise ValueError(f"hcpasses.passes.PASSES: pass names must be unique and not an option's: {', '.join(clashes)}")
+    for spec in registry.PASSES:
+        unknown = sorted(set(spec.reads) - set(options))
+        if unknown:
+            raise ValueError(
+                f"pass {spec.name} reads unknown option(s) {', '.join(unknown)}; options are: {', '.join(options)}"
+            )

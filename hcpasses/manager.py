@@ -2,7 +2,8 @@
 
 Installed as Inductor's ``post_grad_custom_pre_pass`` (not the post pass: on CUDA Inductor has
 already rewritten softmax to ``prepare_softmax_online`` there and HC patterns stop matching). For
-every graph Inductor compiles it runs each registered pass whose flag is on, in ``PIPELINE`` order:
+every graph Inductor compiles it runs each pass whose flag is on, in the order of the registry
+(``hcpasses.passes.PASSES``, which the config's pass flags follow):
 
     state -> pass.run -> [refresh fake values] -> verify (lint + fake shapes of what it touched) -> [dump]
                 \\ raises or fails verification: restore the state, record why
@@ -32,21 +33,14 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from hcpasses.config import PASS_NAMES, HCPassesConfig
+import hcpasses.passes as registry
+from hcpasses.config import HCPassesConfig
 from hcpasses.dumps import GraphDump, graph_code
 from hcpasses.graph_pass import GraphPass
-from hcpasses.passes.canonical_forms import CanonicalForms
-from hcpasses.passes.cleanup import DeadCodeCleanup
-from hcpasses.passes.gated_mean_quant import GatedMeanQuantFusion
-from hcpasses.passes.sp_rewrite import SPRewrite
 from hcpasses.report import GraphReport, PassRecord
 from hcpasses.verify import GraphVerificationError, graph_state, refresh_fake_values, restore_graph, verify_graph
 
 log = logging.getLogger("hcpasses")
-
-# The registered passes. Adding a pass is one line here plus its flag in config.PASS_NAMES; the
-# manager runs them in config.PASS_NAMES order.
-PIPELINE: tuple[GraphPass, ...] = (CanonicalForms(), GatedMeanQuantFusion(), SPRewrite(), DeadCodeCleanup())
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -74,18 +68,24 @@ def pass_fingerprint(graph_pass: GraphPass) -> str:
 
 
 class PassManager(CustomGraphPass):
-    """Runs the enabled passes on one post-grad graph at a time and reports what they did."""
+    """Runs the enabled passes on one post-grad graph at a time and reports what they did.
+
+    ``passes``: the pass objects, by default the registry's (``hcpasses.passes.pipeline()``); tests hand in their
+    own. Each must be named as one of the config's pass flags; the order is the config's (the registry's), and a
+    flag with no pass object is reported ``unavailable``.
+    """
 
     def __init__(
         self,
         config: HCPassesConfig,
         on_report: Callable[[GraphReport], None],
-        passes: Sequence[GraphPass] = PIPELINE,
+        passes: Sequence[GraphPass] | None = None,
         autograd: bool = False,
     ) -> None:
-        unknown = [p.name for p in passes if p.name not in PASS_NAMES]
+        passes = registry.pipeline() if passes is None else tuple(passes)
+        unknown = [p.name for p in passes if p.name not in config.pass_names]
         if unknown:
-            raise ValueError(f"passes {unknown} have no flag; flags are: {', '.join(PASS_NAMES)}")
+            raise ValueError(f"passes {unknown} have no flag; flags are: {', '.join(config.pass_names)}")
         self.config = config
         self.passes = {p.name: p for p in passes}
         self.on_report = on_report
@@ -105,7 +105,7 @@ class PassManager(CustomGraphPass):
         if self.autograd:  # also the backward, which AOTAutograd compiles later, outside the backend's call
             report.variant = "autograd"
         dump = GraphDump(self.config.dump_dir) if self.config.dump_dir else None
-        for order, name in enumerate(PASS_NAMES, start=1):
+        for order, name in enumerate(self.config.pass_names, start=1):
             record = self._run_one(graph, name, order, dump)
             report.passes.append(record)
         report.num_nodes_after = len(graph.nodes)

@@ -8,13 +8,13 @@ import re
 import pytest
 
 import hcpasses
-from hcpasses.config import PASS_NAMES, HCPassesConfig
+from hcpasses.config import HCPassesConfig
+from hcpasses.passes import names
 
 
 def test_defaults_match_the_public_contract() -> None:
     config = HCPassesConfig.resolve(env={})
-    assert config.sp_rewrite is True
-    assert config.gated_mean_quant is True
+    assert [config.pass_enabled(name) for name in names()] == [True, True, True, True]
     assert config.sp_min_tokens == 1024
     assert config.dump_dir is None
 
@@ -24,7 +24,15 @@ def test_unknown_flag_names_every_valid_flag() -> None:
         hcpasses.backend(sp_rewirte=True)
     message = str(err.value)
     assert "sp_rewirte" in message
-    for flag in ("sp_rewrite", "gated_mean_quant", "sp_min_tokens", "dump_dir", "cleanup"):
+    for flag in (
+        "canonical_forms",
+        "gated_mean_quant",
+        "sp_rewrite",
+        "cleanup",
+        "sp_min_tokens",
+        "dump_dir",
+        "cudagraphs",
+    ):
         assert flag in message
 
 
@@ -52,16 +60,16 @@ def test_path_like_dump_dir_is_accepted(tmp_path) -> None:
 def test_env_disable_turns_passes_off_and_wins_over_flags() -> None:
     env = {"HCPASSES_DISABLE": "sp_rewrite, gated_mean_quant"}
     config = HCPassesConfig.resolve(env=env, sp_rewrite=True)
-    assert config.sp_rewrite is False
-    assert config.gated_mean_quant is False
-    assert config.cleanup is True
+    assert config.pass_enabled("sp_rewrite") is False
+    assert config.pass_enabled("gated_mean_quant") is False
+    assert config.pass_enabled("cleanup") is True
 
 
 def test_env_disable_rejects_unknown_pass_names() -> None:
     with pytest.raises(ValueError) as err:
         HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "sp_rewrite,fusion"})
     assert "fusion" in str(err.value)
-    for name in PASS_NAMES:
+    for name in names():
         assert name in str(err.value)
 
 
@@ -74,8 +82,8 @@ def test_backend_reads_the_process_environment(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("HCPASSES_DISABLE", "gated_mean_quant")
     monkeypatch.setenv("HCPASSES_DUMP_DIR", str(tmp_path))
     be = hcpasses.backend()
-    assert be.config.gated_mean_quant is False
-    assert be.config.sp_rewrite is True
+    assert be.config.pass_enabled("gated_mean_quant") is False
+    assert be.config.pass_enabled("sp_rewrite") is True
     assert be.config.dump_dir == str(tmp_path)
 
 
@@ -91,4 +99,4 @@ def test_resolved_config_is_logged_once_at_info(caplog) -> None:
 def test_config_is_frozen() -> None:
     config = HCPassesConfig.resolve(env={})
     with pytest.raises(AttributeError):
-        config.sp_rewrite = False  # type: ignore[misc]
+        config.pass_flags = ()  # type: ignore[misc]

@@ -315,6 +315,7 @@ def test_uuid_changes_with_every_flag() -> None:
     base = PassManager(HCPassesConfig.resolve(env={}), on_report=lambda r: None)
     assert base.uuid() == PassManager(HCPassesConfig.resolve(env={}), on_report=lambda r: None).uuid()
     variants = [
+        {"canonical_forms": False},
         {"sp_rewrite": False},
         {"gated_mean_quant": False},
         {"cleanup": False},

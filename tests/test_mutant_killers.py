@@ -34,7 +34,7 @@ def test_fused_op_is_in_the_graph_and_the_graph_computes_the_op() -> None:
     u = (torch.randn(13, N_STREAMS * HIDDEN, generator=gen) * 2).bfloat16()
     xn = torch.randn(13, N_STREAMS * HIDDEN, generator=gen).bfloat16()
     reports: list = []
-    manager = PassManager(HCPassesConfig(sp_rewrite=False), reports.append)
+    manager = PassManager(HCPassesConfig().with_passes(sp_rewrite=False), reports.append)
     [captured] = capture_post_grad(
         gated_mean_then_quant, (u, xn), codegen=False, config_patches={"post_grad_custom_pre_pass": manager}
     )

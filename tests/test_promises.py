@@ -23,9 +23,10 @@ from harness.capture import capture_ranks_from_one_trace, copy_graph
 from harness.graphs import add_unused_neg, first_node, node_program
 
 import hcpasses
-from hcpasses.config import PASS_NAMES, HCPassesConfig
+from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
-from hcpasses.manager import PIPELINE, PassManager
+from hcpasses.manager import PassManager
+from hcpasses.passes import names, pipeline
 from hcpasses.report import GraphReport
 from hcpasses.testing.multiproc import run_ranks
 
@@ -131,7 +132,7 @@ class AddUnusedNeg(GraphPass):
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_rolled_back_graph_compiles_to_what_eager_computes(dynamic: bool) -> None:
     be = hcpasses.HCPassesBackend(
-        HCPassesConfig.resolve(env={}), passes=(AddUnusedNeg(), DropKwargsRewireThenRaise(), *PIPELINE[3:])
+        HCPassesConfig.resolve(env={}), passes=(AddUnusedNeg(), DropKwargsRewireThenRaise(), *pipeline()[3:])
     )
     x, w = torch.randn(7, 5), torch.randn(5, 6)
     torch._dynamo.reset()
@@ -196,24 +197,24 @@ def run_pipelines(configs: dict[str, HCPassesConfig], passes: dict[str, Callable
 
 
 def fresh_pipeline() -> list[GraphPass]:
-    return [type(p)() for p in PIPELINE]
+    return [type(p)() for p in pipeline()]
 
 
 def test_every_pass_disabled_by_flag_or_env_does_not_run_and_says_why() -> None:
     configs = {"all on": HCPassesConfig.resolve(env={}, sp_min_tokens=1)}
     passes = {"all on": fresh_pipeline}
-    for name in PASS_NAMES:
+    for name in names():
         configs[f"{name} flag"] = HCPassesConfig.resolve(env={}, sp_min_tokens=1, **{name: False})
         configs[f"{name} env"] = HCPassesConfig.resolve(env={"HCPASSES_DISABLE": name}, sp_min_tokens=1)
         configs[f"{name} absent"] = configs["all on"]
         passes[f"{name} flag"] = passes[f"{name} env"] = fresh_pipeline
         passes[f"{name} absent"] = lambda name=name: [p for p in fresh_pipeline() if p.name != name]
-    configs["all off"] = HCPassesConfig.resolve(env={"HCPASSES_DISABLE": ",".join(PASS_NAMES)})
+    configs["all off"] = HCPassesConfig.resolve(env={"HCPASSES_DISABLE": ",".join(names())})
     passes["all off"] = fresh_pipeline
     results = run_pipelines(configs, passes)
     report, before, after_all, _ = results["all on"]
     assert [r.status for r in report.passes] == ["applied"] * 4, str(report)  # each pass has work here
-    for name in PASS_NAMES:
+    for name in names():
         absent = results[f"{name} absent"][2]
         assert absent != after_all, name
         for how, reason in (("flag", f"flag {name}=False"), ("env", f"HCPASSES_DISABLE names {name}")):
@@ -233,7 +234,7 @@ def test_every_pass_disabled_by_flag_or_env_does_not_run_and_says_why() -> None:
 def test_dumps_of_an_applied_an_unchanged_and_a_disabled_pass(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HCPASSES_DISABLE", "sp_rewrite")
     config = HCPassesConfig.resolve(dump_dir=str(tmp_path))  # reads HCPASSES_DISABLE from the process
-    be = hcpasses.HCPassesBackend(config, passes=(PIPELINE[0], AddUnusedNeg(), PIPELINE[2], PIPELINE[3]))
+    be = hcpasses.HCPassesBackend(config, passes=(pipeline()[0], AddUnusedNeg(), *pipeline()[2:]))
     x, w = torch.randn(7, 5), torch.randn(5, 6)
     torch._dynamo.reset()
     torch.compile(kwargs_users_outputs, backend=be)(x, w)

@@ -119,7 +119,7 @@ def capture_with_passes(
     if captures is None:
         patches = {**capture_kwargs.pop("config_patches", {}), "post_grad_custom_pre_pass": manager}
         captures = capture_ranks(build_fn, args_fn, tp, config_patches=patches, **capture_kwargs)
-    if config.sp_rewrite and len(snapshot.graphs) != len(reports):
+    if config.pass_enabled("sp_rewrite") and len(snapshot.graphs) != len(reports):
         raise RuntimeError(f"{len(reports)} graphs compiled but SP saw {len(snapshot.graphs)}")
     if manager.audited != len(reports):
         raise RuntimeError(f"{len(reports)} graphs compiled but {manager.audited} audited for side effects")
@@ -129,14 +129,14 @@ def capture_with_passes(
         inputs=[c[0].inputs for c in captures],
         reports=reports,
         compiled=[c[0].compiled for c in captures],
-        before_sp=[snapshot.graphs[r * per_rank] for r in range(tp)] if config.sp_rewrite else [],
+        before_sp=[snapshot.graphs[r * per_rank] for r in range(tp)] if config.pass_enabled("sp_rewrite") else [],
         recapture_passes_off=recapture_passes_off,
     )
 
 
 def every_pass_off(config: HCPassesConfig) -> HCPassesConfig:
     """The same configuration with every pass off: the plain TP graph."""
-    return dataclasses.replace(config, canonical_forms=False, cleanup=False, gated_mean_quant=False, sp_rewrite=False)
+    return config.with_passes(**dict.fromkeys(config.pass_names, False))
 
 
 def assert_same_as_sp_off(

@@ -151,7 +151,7 @@ def graph_and_inputs(rows: int = 6) -> tuple[fx.GraphModule, list[torch.Tensor]]
 
 def manager_flags(patches: dict[str, Any]) -> tuple[bool, bool, bool]:
     manager = patches["post_grad_custom_pre_pass"]
-    return manager.config.sp_rewrite, manager.autograd, patches["triton.cudagraphs"]
+    return manager.config.pass_enabled("sp_rewrite"), manager.autograd, patches["triton.cudagraphs"]
 
 
 @pytest.mark.parametrize("cudagraphs", [False, True])
@@ -168,6 +168,29 @@ def test_symbolic_tokens_compile_a_sharded_and_an_unsharded_variant(compiles: Co
     assert compiled.calls == {"sharded": 1, "unsharded": 1}
 
 
+class ShardsAsCleanup(FakeSP):
+    """Another pass that shards: the backend takes which pass to turn off from the record, not from a name."""
+
+    name = "cleanup"
+
+
+def test_the_unsharded_variant_turns_off_the_pass_whose_record_sharded(compiles: Compiles) -> None:
+    gm, inputs = graph_and_inputs()
+    passes = [FakeSP(None, applies=False), ShardsAsCleanup(size_symbols(gm)[0])]
+    be = HCPassesBackend(HCPassesConfig.resolve(env={}, sp_min_tokens=6), passes=passes)
+    assert isinstance(be(gm, inputs), TokenDispatch)
+    enabled = [
+        tuple(p["post_grad_custom_pre_pass"].config.pass_enabled(name) for name in ("sp_rewrite", "cleanup"))
+        for p in compiles.patches
+    ]
+    assert enabled == [(True, True), (True, False)]
+    assert compiles.patches[1]["post_grad_custom_pre_pass"] is be.unsharded_manager("cleanup")
+    assert be.unsharded_manager("cleanup") is be.unsharded_manager("cleanup")  # one uuid, one cache key
+    assert be.unsharded_manager("cleanup") is not be.unsharded_manager("sp_rewrite")
+    assert be.reports[1].record("cleanup").reason == "flag cleanup=False"
+    assert be.reports[1].record("sp_rewrite").reason == "no HC block"
+
+
 def test_static_sharded_graph_is_compiled_once_and_never_with_cuda_graphs(compiles: Compiles) -> None:
     gm, inputs = graph_and_inputs()
     be = make_backend(None, cudagraphs=True)
@@ -181,10 +204,13 @@ def test_unsharded_graph_is_recompiled_with_cuda_graphs_only_when_asked(compiles
     gm, inputs = graph_and_inputs()
     be = make_backend(None, applies=False, cudagraphs=cudagraphs)
     compiled = be(gm, inputs)
-    expected = [(True, False, False)] + ([(False, False, True)] if cudagraphs else [])
+    expected = [(True, False, False)] + ([(True, False, True)] if cudagraphs else [])
     assert [manager_flags(p) for p in compiles.patches] == expected
     assert compiled()[0] == len(expected)
     assert [r.variant for r in be.reports] == ["only", "cudagraphs"][: len(expected)]
+    # nothing sharded: the same pipeline again, with CUDA graphs (its report is the first one's)
+    assert all(p["post_grad_custom_pre_pass"] is be.manager for p in compiles.patches)
+    assert [r.record("sp_rewrite").reason for r in be.reports] == ["no HC block"] * len(expected)
 
 
 def test_sp_off_by_flag_is_no_sharded_variant(compiles: Compiles) -> None:
@@ -248,13 +274,13 @@ def test_the_report_key_ignores_comments_but_not_code_inputs_or_config(compiles:
     gm, _ = graph_and_inputs()
     commented = type("G", (), {"code": "# moved\n" + gm.code, "graph": gm.graph})()
     assert be._report_key(commented, be.manager) == key
-    assert be._report_key(gm, be.unsharded_manager) != key
+    assert be._report_key(gm, be.unsharded_manager("sp_rewrite")) != key
 
 
 def test_backend_resolves_flags_and_the_default_backend_is_one_object(compiles: Compiles) -> None:
     be = hcpasses.backend(sp_min_tokens=5)
     assert be.config.sp_min_tokens == 5 and be.reports == [] and be.dispatchers == []
-    assert be.unsharded_manager.config.sp_rewrite is False and be.autograd_manager.autograd is True
+    assert be.autograd_manager.autograd is True and be.autograd_manager.config == be.config
     assert default_backend() is default_backend()
     gm, inputs = graph_and_inputs()
     before = len(default_backend().reports)
@@ -290,7 +316,7 @@ def test_dispatch_counts_every_call() -> None:
 def test_every_variant_runs_the_backends_passes_and_gets_its_graph(compiles: Compiles) -> None:
     passes = [FakeSP(None)]
     be = HCPassesBackend(HCPassesConfig.resolve(env={}), passes=passes)
-    for manager in (be.manager, be.unsharded_manager, be.autograd_manager):
+    for manager in (be.manager, be.unsharded_manager("sp_rewrite"), be.autograd_manager):
         assert list(manager.passes.values()) == passes
     assert be.inductor_config(be.manager) == {"post_grad_custom_pre_pass": be.manager, "triton.cudagraphs": False}
     gm, inputs = graph_and_inputs()

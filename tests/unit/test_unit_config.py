@@ -1,21 +1,47 @@
 """``HCPassesConfig``'s exact messages, its flag list, its description and its environment bookkeeping (the
-promises of ``config.py``'s docstring; ``tests/test_config.py`` holds the rest). Fast tests for the mutation run."""
+promises of ``config.py``'s docstring; ``tests/test_config.py`` holds the rest), and the config's side of the
+registry (``hcpasses.passes.PASSES``): its pass flags follow the registry, and a registry that cannot work is
+refused. Fast tests for the mutation run."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
+import torch.fx as fx
 
-from hcpasses.config import PASS_NAMES, HCPassesConfig
+import hcpasses.passes as registry
+from hcpasses.config import BOOL, PATH_OR_NONE, POSITIVE_INT, HCPassesConfig, check_registry
+from hcpasses.graph_pass import GraphPass, PassResult
+from hcpasses.passes import PassSpec
 
-FLAGS = ("canonical_forms", "cleanup", "gated_mean_quant", "sp_rewrite", "sp_min_tokens", "dump_dir", "cudagraphs")
+PASS_NAMES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
+FLAGS = (*PASS_NAMES, "sp_min_tokens", "dump_dir", "cudagraphs")
 
 
-def test_the_flags_are_the_fields_a_user_sets() -> None:
+class Extra(GraphPass):
+    name = "extra"
+
+    def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
+        return PassResult(0, "nothing")
+
+
+def with_extra(monkeypatch, *, default: bool = False, reads: tuple[str, ...] = (), name: str | None = None) -> None:
+    """The registry with one more pass, between sp_rewrite and cleanup (named ``name`` when given)."""
+    extra = type("Extra", (Extra,), {"name": name or "extra"})
+    specs = list(registry.PASSES)
+    specs.insert(3, PassSpec(extra, default, "an extra pass", reads))
+    monkeypatch.setattr(registry, "PASSES", tuple(specs))
+
+
+def test_the_flags_are_the_passes_then_the_options() -> None:
     assert HCPassesConfig.flag_names() == FLAGS
+    assert [field.name for field in HCPassesConfig.options()] == list(FLAGS[4:])
     with pytest.raises(ValueError, match="unknown hcpasses flag"):
         HCPassesConfig.resolve(env={}, disabled_by_env=("cleanup",))  # bookkeeping, not a flag
+    with pytest.raises(ValueError, match="unknown hcpasses flag"):
+        HCPassesConfig.resolve(env={}, pass_flags=())  # the values of the pass flags, not a flag
 
 
 def test_unknown_flags_message_names_them_and_every_valid_flag() -> None:
@@ -52,9 +78,118 @@ def test_env_bookkeeping_and_the_reason_a_pass_is_off() -> None:
 def test_describe_lists_every_field_and_the_log_line_is_exact(caplog) -> None:
     config = HCPassesConfig(sp_min_tokens=8, dump_dir="d")
     assert config.describe() == (
-        "canonical_forms=True, cleanup=True, gated_mean_quant=True, sp_rewrite=True, sp_min_tokens=8, "
+        "canonical_forms=True, gated_mean_quant=True, sp_rewrite=True, cleanup=True, sp_min_tokens=8, "
         "dump_dir='d', cudagraphs=False, disabled_by_env=()"
     )
     with caplog.at_level(logging.INFO, logger="hcpasses"):
         HCPassesConfig.resolve(env={}, sp_min_tokens=8, dump_dir="d")
     assert [r.getMessage() for r in caplog.records if r.name == "hcpasses"] == [f"hcpasses config: {config.describe()}"]
+
+
+def test_the_pass_flags_follow_the_registry_in_order() -> None:
+    config = HCPassesConfig.resolve(env={}, cleanup=False)
+    assert config.pass_flags == (
+        ("canonical_forms", True),
+        ("gated_mean_quant", True),
+        ("sp_rewrite", True),
+        ("cleanup", False),
+    )
+    assert config.pass_names == PASS_NAMES == registry.names()
+    assert HCPassesConfig().pass_flags == tuple((spec.name, spec.default) for spec in registry.PASSES)
+
+
+def test_with_passes_sets_only_the_named_flags_and_refuses_unknown_passes() -> None:
+    config = HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "cleanup"}, sp_min_tokens=5)
+    off = config.with_passes(sp_rewrite=False)
+    assert [off.pass_enabled(name) for name in PASS_NAMES] == [True, True, False, False]
+    assert off == dataclasses.replace(config, pass_flags=off.pass_flags)  # the options and the env reasons kept
+    assert off.with_passes(sp_rewrite=True) == config and config.with_passes() == config
+    with pytest.raises(ValueError) as err:
+        config.with_passes(sp=False, fusion=True)
+    assert str(err.value) == f"unknown pass(es) fusion, sp; passes are: {', '.join(PASS_NAMES)}"
+    with pytest.raises(ValueError, match="'sp_rewrite' must be True or False, got 0"):
+        config.with_passes(sp_rewrite=0)
+
+
+@pytest.mark.parametrize(
+    ("values", "good", "bad"),
+    [
+        (BOOL, [True, False], [0, 1, None, "True"]),
+        (POSITIVE_INT, [1, 2, 1 << 40], [0, -1, 1.0, True, "8", None]),
+        (PATH_OR_NONE, [None, "d", "a/b"], ["", 0, b"d"]),
+    ],
+)
+def test_each_kind_of_value_accepts_exactly_its_values(values, good: list, bad: list) -> None:
+    assert [values.accepts(v) for v in good] == [True] * len(good)
+    assert [values.accepts(v) for v in bad] == [False] * len(bad)
+
+
+def test_every_option_has_help_values_and_its_env_variable() -> None:
+    options = {field.name: field.metadata for field in HCPassesConfig.options()}
+    assert {name: meta["values"] for name, meta in options.items()} == {
+        "sp_min_tokens": POSITIVE_INT,
+        "dump_dir": PATH_OR_NONE,
+        "cudagraphs": BOOL,
+    }
+    assert {name: meta["env"] for name, meta in options.items()} == {
+        "sp_min_tokens": None,
+        "dump_dir": "HCPASSES_DUMP_DIR",
+        "cudagraphs": None,
+    }
+    assert all(meta["help"] for meta in options.values())
+
+
+def test_a_pass_added_to_the_registry_is_a_flag_with_its_default(monkeypatch) -> None:
+    with_extra(monkeypatch)
+    assert HCPassesConfig.flag_names() == (*PASS_NAMES[:3], "extra", "cleanup", *FLAGS[4:])
+    config = HCPassesConfig.resolve(env={})
+    assert config.pass_names == (*PASS_NAMES[:3], "extra", "cleanup") and config.pass_enabled("extra") is False
+    assert "sp_rewrite=True, extra=False, cleanup=True" in config.describe()
+    assert HCPassesConfig.resolve(env={}, extra=True).pass_enabled("extra") is True
+    with pytest.raises(ValueError, match="'extra' must be True or False, got 'yes'"):
+        HCPassesConfig.resolve(env={}, extra="yes")
+    by_env = HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "extra"}, extra=True)
+    assert by_env.why_disabled("extra") == "HCPASSES_DISABLE names extra" and not by_env.pass_enabled("extra")
+    with pytest.raises(
+        ValueError, match="valid passes are: canonical_forms, gated_mean_quant, sp_rewrite, extra, clean"
+    ):
+        HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "fusion"})
+
+
+def test_a_pass_removed_from_the_registry_is_no_flag(monkeypatch) -> None:
+    monkeypatch.setattr(registry, "PASSES", tuple(spec for spec in registry.PASSES if spec.name != "sp_rewrite"))
+    with pytest.raises(ValueError) as err:
+        HCPassesConfig.resolve(env={}, sp_rewrite=False)
+    assert str(err.value) == (
+        "unknown hcpasses flag(s) sp_rewrite; valid flags are: canonical_forms, gated_mean_quant, cleanup, "
+        "sp_min_tokens, dump_dir, cudagraphs"
+    )
+    with pytest.raises(ValueError, match="HCPASSES_DISABLE names unknown pass"):
+        HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "sp_rewrite"})
+
+
+@pytest.mark.parametrize(
+    ("name", "reads", "message"),
+    [
+        ("cleanup", (), "hcpasses.passes.PASSES: pass names must be unique and not an option's: cleanup"),
+        ("dump_dir", (), "hcpasses.passes.PASSES: pass names must be unique and not an option's: dump_dir"),
+        (
+            None,
+            ("sp_min_tokens", "tokens", "dumps"),
+            "pass extra reads unknown option(s) dumps, tokens; options are: sp_min_tokens, dump_dir, cudagraphs",
+        ),
+    ],
+    ids=["duplicate", "an option's name", "reads no option"],
+)
+def test_a_registry_that_cannot_work_is_refused(monkeypatch, name, reads, message: str) -> None:
+    with_extra(monkeypatch, name=name, reads=reads)
+    with pytest.raises(ValueError) as err:
+        HCPassesConfig.resolve(env={})
+    assert str(err.value) == message
+    with pytest.raises(ValueError):
+        check_registry()
+
+
+def test_the_registry_passes_its_own_check() -> None:
+    check_registry()  # raises otherwise
+    assert [spec.reads for spec in registry.PASSES] == [(), (), ("sp_min_tokens",), ()]

@@ -17,14 +17,17 @@ import torch.distributed as dist
 import torch.fx as fx
 from harness.graphs import add_unused_neg, first_node, node_program, traced
 
+import hcpasses.passes as registry
 from hcpasses import manager as manager_module
-from hcpasses.config import PASS_NAMES, HCPassesConfig
+from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
-from hcpasses.manager import AUTOGRAD_REASON, PIPELINE, PassManager, pass_fingerprint, source_hash
+from hcpasses.manager import AUTOGRAD_REASON, PassManager, pass_fingerprint, source_hash
+from hcpasses.passes import PassSpec, pipeline
 from hcpasses.passes.cleanup import DeadCodeCleanup
 from hcpasses.report import GraphReport
 
 aten = torch.ops.aten
+PASS_NAMES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
 
 
 def model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -205,9 +208,44 @@ def test_a_rolled_back_graph_computes_what_it_did_before() -> None:
 
 
 def test_the_real_pipeline_has_one_pass_per_flag() -> None:
-    assert [p.name for p in PIPELINE] == list(PASS_NAMES)
-    report, _ = run(PIPELINE)
+    assert [p.name for p in pipeline()] == list(PASS_NAMES)
+    assert [type(p) for p in pipeline()] == [spec.graph_pass for spec in registry.PASSES]
+    assert all(a is b for a, b in zip(pipeline(), pipeline(), strict=True))  # one object per pass in a process
+    report, _ = run(pipeline())
     assert [r.status for r in report.passes] == ["unchanged"] * 4
+
+
+def test_by_default_the_manager_runs_the_registrys_passes() -> None:
+    manager = PassManager(HCPassesConfig(), print)
+    assert list(manager.passes) == list(PASS_NAMES)
+    assert all(a is b for a, b in zip(manager.passes.values(), pipeline(), strict=True))
+    report, _ = run(None)
+    assert [r.status for r in report.passes] == ["unchanged"] * 4
+
+
+class Extra(GraphPass):
+    name = "extra"
+
+    def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
+        add_unused_neg(graph)
+        return PassResult(1)
+
+
+def test_a_pass_added_to_the_registry_runs_in_its_place(monkeypatch) -> None:
+    specs = list(registry.PASSES)
+    specs.insert(1, PassSpec(Extra, True, "adds a node"))
+    monkeypatch.setattr(registry, "PASSES", tuple(specs))
+    report, graph = run(None, cleanup=False)
+    assert [(r.name, r.status) for r in report.passes] == [
+        ("canonical_forms", "unchanged"),
+        ("extra", "applied"),
+        ("gated_mean_quant", "unchanged"),
+        ("sp_rewrite", "unchanged"),
+        ("cleanup", "disabled"),
+    ]
+    assert any(n.target is aten.neg.default for n in graph.nodes)
+    report, _ = run(None, extra=False)
+    assert report.record("extra").reason == "flag extra=False"
 
 
 def test_a_pass_without_a_flag_is_refused() -> None:
@@ -246,15 +284,16 @@ def test_no_dump_dir_writes_nothing(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_uuid_is_stable_and_changes_with_flags_mode_passes_and_rank() -> None:
-    def uuid(passes=PIPELINE, autograd: bool = False, **flags) -> str:
-        return PassManager(HCPassesConfig(**flags), print, passes=passes, autograd=autograd).uuid()
+    def uuid(passes=None, autograd: bool = False, env=None, **flags) -> str:
+        config = HCPassesConfig.resolve(env=env or {}, **flags)
+        return PassManager(config, print, passes=passes, autograd=autograd).uuid()
 
     base = uuid()
-    assert base == uuid() and len(base) == 64
+    assert base == uuid() == uuid(passes=pipeline()) and len(base) == 64
     variants = [uuid(**{name: False}) for name in PASS_NAMES]
     variants += [uuid(sp_min_tokens=2048), uuid(dump_dir="d"), uuid(cudagraphs=True), uuid(autograd=True)]
-    variants += [uuid(passes=PIPELINE[:3]), uuid(passes=(*PIPELINE[:3], Spy("cleanup")))]
-    variants += [uuid(disabled_by_env=("cleanup",), cleanup=False)]
+    variants += [uuid(passes=pipeline()[:3]), uuid(passes=(*pipeline()[:3], Spy("cleanup")))]
+    variants += [uuid(env={"HCPASSES_DISABLE": "cleanup"})]
     assert len({base, *variants}) == len(variants) + 1
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
