@@ -12,7 +12,7 @@ import pytest
 import torch.fx as fx
 
 import hcpasses.passes as registry
-from hcpasses.config import BOOL, PATH_OR_NONE, POSITIVE_INT, HCPassesConfig, check_registry
+from hcpasses.config import BOOL, PATH_OR_NONE, POSITIVE_INT, HCPassesConfig, check_registry, option
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.passes import PassSpec
 
@@ -122,6 +122,15 @@ def test_with_passes_sets_only_the_named_flags_and_refuses_unknown_passes() -> N
 def test_each_kind_of_value_accepts_exactly_its_values(values, good: list, bad: list) -> None:
     assert [values.accepts(v) for v in good] == [True] * len(good)
     assert [values.accepts(v) for v in bad] == [False] * len(bad)
+
+
+def test_an_option_is_a_field_with_its_default_values_help_and_env_variable() -> None:
+    field = option(3, POSITIVE_INT, "some help", env="HCPASSES_X")
+    assert (field.default, dict(field.metadata)) == (
+        3,
+        {"values": POSITIVE_INT, "help": "some help", "env": "HCPASSES_X"},
+    )
+    assert dict(option(None, BOOL, "h").metadata) == {"values": BOOL, "help": "h", "env": None}
 
 
 def test_every_option_has_help_values_and_its_env_variable() -> None:
