@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HCConfig
-from .decoder import PLELayer, apply_rope, rope_tables
+from .decoder import PLELayer, apply_rope, output_projection, rope_tables
 from .hc import NORM_WEIGHT_STD, FinalMixer, HyperConnection, grouped_rms_norm
 from .sp_handwritten import RowShards, sharded_hc_sublayer
 from .tp import (
@@ -149,9 +149,7 @@ class BenchAttention(ProjectedSublayer):
         q = take_shard(full(0, q_width), 0, tp_rank, tp_size)
         k, v = (take_shard(full(i, kv_width), 0, tp_rank // share, tp_size // share) for i in (1, 2))
         self.in_proj = LocalLinear(torch.cat([q, k, v]).to(cfg.dtype))
-        self.out_proj = RowParallelLinear(
-            q_width, cfg.hidden, seed=cfg.seed, name=f"{name}.o_proj", dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size
-        )
+        self.out_proj = output_projection(cfg, q_width, name=f"{name}.o_proj", tp_rank=tp_rank, tp_size=tp_size)
 
     def core(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """Per-sequence causal attention: ``[T, (H + 2 Hkv) D] -> [T, H D]``."""

@@ -20,6 +20,11 @@ _POSITIVE_FIELDS = (
     "intermediate",
 )
 
+# The presets HCConfig.tiny and HCConfig.real: a value for each of _POSITIVE_FIELDS (vocab, S, n, r, layers, heads,
+# head_dim, kv heads, intermediate), then the dtype.
+_TINY = dict(zip(_POSITIVE_FIELDS, (64, 32, 4, 8, 2, 4, 8, 2, 64), strict=True), dtype=torch.float32)
+_REAL = dict(zip(_POSITIVE_FIELDS, (32000, 2560, 4, 320, 4, 16, 256, 2, 5632), strict=True), dtype=torch.bfloat16)
+
 
 @dataclass(frozen=True, kw_only=True)
 class HCConfig:
@@ -80,33 +85,9 @@ class HCConfig:
     @classmethod
     def tiny(cls, **overrides: Any) -> HCConfig:
         """A few-kilobyte model for tests: S=32, n=4, r=8, 2 layers, 4 heads x 8, 2 kv heads, fp32."""
-        base: dict[str, Any] = dict(
-            vocab_size=64,
-            hidden=32,
-            n_streams=4,
-            hc_rank=8,
-            n_layers=2,
-            n_heads=4,
-            head_dim=8,
-            n_kv_heads=2,
-            intermediate=64,
-            dtype=torch.float32,
-        )
-        return cls(**{**base, **overrides})
+        return cls(**{**_TINY, **overrides})
 
     @classmethod
     def real(cls, **overrides: Any) -> HCConfig:
         """Real per-layer sizes (S 2560, n 4, r 320, 16 heads x 256, 2 kv heads), 4 layers, bf16."""
-        base: dict[str, Any] = dict(
-            vocab_size=32000,
-            hidden=2560,
-            n_streams=4,
-            hc_rank=320,
-            n_layers=4,
-            n_heads=16,
-            head_dim=256,
-            n_kv_heads=2,
-            intermediate=5632,
-            dtype=torch.bfloat16,
-        )
-        return cls(**{**base, **overrides})
+        return cls(**{**_REAL, **overrides})

@@ -49,6 +49,13 @@ def _input_projection(cfg: HCConfig, out_features: list[int], *, name: str, tp_r
     return cls(cfg.hidden, out_features, seed=cfg.seed, name=name, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size)
 
 
+def output_projection(cfg: HCConfig, in_features: int, *, name: str, tp_rank: int, tp_size: int) -> RowParallelLinear:
+    """The sub-layer output projection ``[in_features] -> [S]``: row-parallel, all-reduced."""
+    return RowParallelLinear(
+        in_features, cfg.hidden, seed=cfg.seed, name=name, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size
+    )
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention with RoPE; q, k and v heads sharded across ranks."""
 
@@ -61,15 +68,7 @@ class Attention(nn.Module):
         self.qkv = _input_projection(
             cfg, [q_width, kv_width, kv_width], name=f"{name}.qkv", tp_rank=tp_rank, tp_size=tp_size
         )
-        self.o_proj = RowParallelLinear(
-            q_width,
-            cfg.hidden,
-            seed=cfg.seed,
-            name=f"{name}.o_proj",
-            dtype=cfg.dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
+        self.o_proj = output_projection(cfg, q_width, name=f"{name}.o_proj", tp_rank=tp_rank, tp_size=tp_size)
 
     def heads(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's rotated ``q [H, T, D]``, rotated ``k [H_kv, T, D]`` and ``v [H_kv, T, D]`` of ``x [T, S]``."""
@@ -125,15 +124,7 @@ class MLP(nn.Module):
         super().__init__()
         parts = [cfg.intermediate, cfg.intermediate]
         self.gate_up = _input_projection(cfg, parts, name=f"{name}.gate_up", tp_rank=tp_rank, tp_size=tp_size)
-        self.down = RowParallelLinear(
-            cfg.intermediate,
-            cfg.hidden,
-            seed=cfg.seed,
-            name=f"{name}.down",
-            dtype=cfg.dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
+        self.down = output_projection(cfg, cfg.intermediate, name=f"{name}.down", tp_rank=tp_rank, tp_size=tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, S] -> [T, S]`` (all-reduced)."""

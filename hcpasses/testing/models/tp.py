@@ -68,12 +68,8 @@ def column_parallel_weight(
     return torch.cat(shards, dim=0).to(dtype)
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x @ W_r^T`` with the output features sharded across ranks (no communication).
-
-    ``out_features`` may be a sequence of parts (a merged projection such as qkv or gate_up): each part is
-    sharded separately and the local output is the concatenation of this rank's shard of every part.
-    """
+class _ParallelLinear(nn.Module):
+    """A frozen linear layer holding this rank's shard (``_local_weight``) of the weights seeded by ``(seed, name)``."""
 
     def __init__(
         self,
@@ -87,37 +83,45 @@ class ColumnParallelLinear(nn.Module):
         tp_size: int | None = None,
     ) -> None:
         super().__init__()
-        parts = [out_features] if isinstance(out_features, int) else list(out_features)
         self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
-        weight = column_parallel_weight(
+        weight = self._local_weight(in_features, out_features, seed=seed, name=name, dtype=dtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def _local_weight(
+        self, in_features: int, out_features: int | Sequence[int], *, seed: int, name: str, dtype: torch.dtype
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W_r^T`` with the output features sharded across ranks (no communication).
+
+    ``out_features`` may be a sequence of parts (a merged projection such as qkv or gate_up): each part is
+    sharded separately and the local output is the concatenation of this rank's shard of every part.
+    """
+
+    def _local_weight(
+        self, in_features: int, out_features: int | Sequence[int], *, seed: int, name: str, dtype: torch.dtype
+    ) -> torch.Tensor:
+        parts = [out_features] if isinstance(out_features, int) else list(out_features)
+        return column_parallel_weight(
             in_features, parts, seed=seed, name=name, dtype=dtype, tp_rank=self.tp_rank, tp_size=self.tp_size
         )
-        self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Local output ``[T, sum(out_features)/tp]``."""
         return F.linear(x, self.weight)
 
 
-class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_r @ W_r^T)`` with the input features sharded across ranks."""
+class RowParallelLinear(_ParallelLinear):
+    """``y = all_reduce(x_r @ W_r^T)`` with the input features sharded across ranks (``out_features``: an int)."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        seed: int,
-        name: str,
-        dtype: torch.dtype = torch.float32,
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
+    def _local_weight(
+        self, in_features: int, out_features: int | Sequence[int], *, seed: int, name: str, dtype: torch.dtype
+    ) -> torch.Tensor:
+        assert isinstance(out_features, int)
         full = seeded_normal(seed, name, (out_features, in_features), in_features**-0.5)
-        shard = take_shard(full, 1, self.tp_rank, self.tp_size)
-        self.weight = nn.Parameter(shard.to(dtype), requires_grad=False)
+        return take_shard(full, 1, self.tp_rank, self.tp_size).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Full output ``[T, out_features]``, summed over ranks in place when tp > 1."""
