@@ -41,7 +41,7 @@ class _Emitter:
         with graph.inserting_before(region.start.next):
             self.start_sizes, self.tokens, self.rows = self._token_sizes()
         for read, size in region.token_size_reads:
-            read.replace_all_uses_with(self._size(size))
+            _replace_uses(read, self._size(size))
             graph.erase_node(read)
         anchor = self.rows if isinstance(self.rows, fx.Node) else region.start
         with graph.inserting_after(anchor):
@@ -137,6 +137,12 @@ class _Emitter:
             if k > 1:
                 full = self.graph.call_function(aten.reshape.default, (full, [*map(self._size, exit_.sizes), *rest]))
             return self.graph.call_function(aten.view.dtype, (full, val.dtype)) if as_bytes else full
+
+def _replace_uses(old: fx.Node, new: Any) -> None:
+    """Every use of ``old`` reads ``new``, a node or a plain int (``Node.replace_all_uses_with`` takes nodes only)."""
+    for user in list(old.users):
+        user.args, user.kwargs = fx.map_arg((user.args, user.kwargs), lambda arg: new if arg is old else arg)
+
 
 def _proxy(value: Any) -> Any:
     return fx.Proxy(value) if isinstance(value, fx.Node) else value
