@@ -199,6 +199,15 @@ def test_a_registry_that_cannot_work_is_refused(monkeypatch, name, reads, messag
         check_registry()
 
 
+def test_every_clash_is_named(monkeypatch) -> None:
+    clashing = [type("P", (Extra,), {"name": name}) for name in ("cleanup", "dump_dir")]
+    extra = tuple(PassSpec(cls, True, "clashes") for cls in clashing)
+    monkeypatch.setattr(registry, "PASSES", (*registry.PASSES, *extra))
+    with pytest.raises(ValueError) as err:
+        check_registry()
+    assert str(err.value).endswith("must be unique and not an option's: cleanup, dump_dir")
+
+
 def test_the_registry_passes_its_own_check() -> None:
     check_registry()  # raises otherwise
     assert [spec.reads for spec in registry.PASSES] == [(), (), ("sp_min_tokens",), ()]
