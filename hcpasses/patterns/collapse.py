@@ -93,43 +93,20 @@ class Collapse:
         return torch.ops.hcpasses.gated_mean_quant if self.gated_mean else torch.ops.hcpasses.weighted_sum_quant
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+SUM = aten.sum.dim_IntList
 COLLAPSES = (
     Collapse("transformers", transformers_gated_mean, aten.mean.dim, gated_mean=True, literal_n=False),
-    Collapse("atom", atom_gated_mean, aten.sum.dim_IntList, gated_mean=True, literal_n=True),
+    Collapse("atom", atom_gated_mean, SUM, gated_mean=True, literal_n=True),
     # In fp32 this form is ATOM's graph; in bf16 / fp16, rounded sum / n (exactly the mean when n is 2^k).
-    Collapse(
-        "activation_sum",
-        activation_sum_gated_mean,
-        aten.sum.dim_IntList,
-        gated_mean=True,
-        literal_n=True,
-        dtypes=(torch.bfloat16, torch.float16),
-        rounded_sum=True,
-    ),
-    Collapse("mhc", mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False),
-    Collapse(
-        "mhc_stacked", stacked_mhc_collapse, aten.sum.dim_IntList, gated_mean=False, literal_n=False, stacked=True
-    ),
+    Collapse("activation_sum", activation_sum_gated_mean, SUM, True, True, dtypes=LOW_PRECISION, rounded_sum=True),
+    Collapse("mhc", mhc_collapse, SUM, gated_mean=False, literal_n=False),
+    Collapse("mhc_stacked", stacked_mhc_collapse, SUM, gated_mean=False, literal_n=False, stacked=True),
     # Found (an HC block to SP; inside a rounded form it is the same block, found once as the outer match) but
     # never fused: see Collapse.refusal.
+    Collapse("mhc_unrounded", unrounded_mhc_collapse, SUM, False, False, dtypes=LOW_PRECISION, unrounded=True),
     Collapse(
-        "mhc_unrounded",
-        unrounded_mhc_collapse,
-        aten.sum.dim_IntList,
-        gated_mean=False,
-        literal_n=False,
-        dtypes=(torch.bfloat16, torch.float16),
-        unrounded=True,
-    ),
-    Collapse(
-        "mhc_stacked_unrounded",
-        unrounded_stacked_mhc_collapse,
-        aten.sum.dim_IntList,
-        gated_mean=False,
-        literal_n=False,
-        stacked=True,
-        dtypes=(torch.bfloat16, torch.float16),
-        unrounded=True,
+        "mhc_stacked_unrounded", unrounded_stacked_mhc_collapse, SUM, False, False, True, LOW_PRECISION, unrounded=True
     ),
 )
 

@@ -10,6 +10,7 @@ a full-size term entering the streams), token dims the leading dims of each valu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -167,38 +168,29 @@ class _RegionBuilder:
     ) -> Region | NotShardable:
         """The region from ``start`` to the ``collapses`` and to ``sinks`` (the inputs of the node that cuts it:
         the region runs up to that node, which reads them gathered), checked node by node."""
-        nodes = self._reach(collapses, start, reduces, sinks)
-        live = {start, *(m.wait for m in reduces)}
+        live = [start, *(m.wait for m in reduces)]  # values the region reads in full (start) or replaces (waits)
+        nodes = self._reach(collapses, live, sinks)
+        sharded = nodes | set(live)
         entries: list[Entry] = []
-        for node in [start, *(m.wait for m in reduces)]:
-            verdict = self.rules.check_rows(node)
-            if verdict:
-                return verdict
-        for node in sorted(nodes, key=self.order.__getitem__):
-            verdict = self._check(node, nodes | live, entries)
-            if verdict:
-                return verdict
-        for match in reduces:
-            verdict = self._check_partial_sum(match, nodes)
-            if verdict:
-                return verdict
+        verdicts = itertools.chain(  # lazy: the first refusal is the region's, in this order
+            (self.rules.check_rows(node) for node in live),
+            (self._check(node, sharded, entries) for node in sorted(nodes, key=self.order.__getitem__)),
+            (self._check_partial_sum(match, nodes) for match in reduces),
+        )
+        verdict = next((verdict for verdict in verdicts if verdict), None)
+        if verdict:
+            return verdict
         return self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries))
 
-    def _reach(
-        self,
-        collapses: list[FoundCollapse],
-        start: fx.Node,
-        reduces: tuple[AllReduceMatch, ...],
-        sinks: Iterable[fx.Node],
-    ) -> set[fx.Node]:
-        """Every node reachable from ``start`` and the reduces' waits without passing through a collapse output
-        (the sub-layer starts there) or a collective, that leads to one of the ``collapses`` or ``sinks``."""
+    def _reach(self, collapses: list[FoundCollapse], live: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> set[fx.Node]:
+        """Every node reachable from the ``live`` values (the start, the reduces' waits) without passing through a
+        collapse output (the sub-layer starts there) or a collective, that leads to one of the ``collapses`` or
+        ``sinks``."""
         stops = {out for c in collapses for out in c.outputs}
-        live = {start, *(m.wait for m in reduces)}
-        skip = {node for m in reduces for node in (m.all_reduce, m.wait)} | live
+        live = set(live)
         reached: set[fx.Node] = set()
         for node in self.graph.nodes:
-            if node in skip or node.op != "call_function" or node.target in (ALL_REDUCE, WAIT, SYM_SIZE):
+            if node in live or node.op != "call_function" or node.target in (ALL_REDUCE, WAIT, SYM_SIZE):
                 continue
             if any((arg in reached or arg in live) and arg not in stops for arg in node.all_input_nodes):
                 reached.add(node)

@@ -65,7 +65,8 @@ class RowRules:
     def check_op(self, node: fx.Node) -> NotShardable | None:
         rule = OP_RULES.get(node.target)
         if rule is not None:
-            return rule(self, node)
+            k = self.dims(_source(node))
+            return _no_tokens_in(self, _source(node)) if k is None else rule(self, node, k)
         target = node.target
         if (
             target in ELEMENTWISE
@@ -113,49 +114,44 @@ def _no_tokens_in(rules: RowRules, node: fx.Node) -> NotShardable:
     return NotShardable(f"{shape} does not lead with the {rules.tokens} tokens", node)
 
 
-def _resize(rules: RowRules, node: fx.Node) -> NotShardable | None:
+def _source(node: fx.Node) -> fx.Node:
+    """The operand an op's rule reads the token dims of: its input (a ``cat``'s first input)."""
+    return node.args[0][0] if node.target is aten.cat.default else node.args[0]
+
+
+# Each rule gets the node and ``k``, the token dims of its source (already known to lead with the tokens).
+
+
+def _resize(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
     """A reshape may merge or split the token dims (token order is row-major either way); an expand must leave
     them as they are."""
-    source = node.args[0]
-    k_in = rules.dims(source)
-    if k_in is None:
-        return _no_tokens_in(rules, source)
-    if node.target is aten.expand.default:
-        k_out = rules.dims(node)
-        if k_out is None:
-            return _no_tokens_in(rules, node)
-        pairs = zip(value_of(source).shape[:k_in], value_of(node).shape[:k_out], strict=False)
-        if k_in != k_out or not all(same_size(a, b) for a, b in pairs):
-            return NotShardable("expands a token dim", node)
+    if node.target is not aten.expand.default:
+        return None
+    k_out = rules.dims(node)
+    if k_out is None:
+        return _no_tokens_in(rules, node)
+    pairs = zip(value_of(node.args[0]).shape[:k], value_of(node).shape[:k_out], strict=False)
+    if k != k_out or not all(same_size(a, b) for a, b in pairs):
+        return NotShardable("expands a token dim", node)
     return None
 
 
-def _along_dim(rules: RowRules, node: fx.Node) -> NotShardable | None:
+def _along_dim(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
     position, default = DIM_OPS[node.target]
     dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
-    source = node.args[0][0] if node.target is aten.cat.default else node.args[0]
-    k = rules.dims(source)
-    if k is None:
-        return _no_tokens_in(rules, source)
-    ndim = value_of(source).dim() + (node.target is aten.unsqueeze.default)  # unsqueeze's dim indexes its output
+    ndim = value_of(_source(node)).dim() + (node.target is aten.unsqueeze.default)  # unsqueeze's dim: its output's
     if not isinstance(dim, int) or dim % max(ndim, 1) < k:
         return NotShardable(f"works along dim {dim}, a token dim", node)
     return None
 
 
-def _permute(rules: RowRules, node: fx.Node) -> NotShardable | None:
-    k = rules.dims(node.args[0])
-    if k is None:
-        return _no_tokens_in(rules, node.args[0])
+def _permute(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
     if [d % len(node.args[1]) for d in node.args[1][:k]] != list(range(k)):
         return NotShardable("moves a token dim", node)
     return None
 
 
-def _reduction(rules: RowRules, node: fx.Node) -> NotShardable | None:
-    k = rules.dims(node.args[0])
-    if k is None:
-        return _no_tokens_in(rules, node.args[0])
+def _reduction(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
     ndim = value_of(node.args[0]).dim()
     dims = node.args[1] if len(node.args) > 1 else None
     if not dims or any(d % ndim < k for d in dims):
@@ -163,28 +159,21 @@ def _reduction(rules: RowRules, node: fx.Node) -> NotShardable | None:
     return None
 
 
-def _mm(rules: RowRules, node: fx.Node) -> NotShardable | None:
+def _mm(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
     # Row i of x @ W is a function of row i of x alone, whatever W is (an HC weight, or a TP shard of a
     # projection that reads the streams); check_operand makes sure W carries no tokens.
-    k = rules.dims(node.args[0])
-    if k is None:
-        return _no_tokens_in(rules, node.args[0])
-    if k != 1:
-        return NotShardable("a GEMM whose left operand does not lead with the tokens", node)
-    return None
+    return None if k == 1 else NotShardable("a GEMM whose left operand does not lead with the tokens", node)
 
 
-def _bmm(rules: RowRules, node: fx.Node) -> NotShardable | None:
+def _bmm(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
     # Batched over tokens (mHC's per-token comb @ streams); the operands are checked like any other.
-    k = rules.dims(node)
-    if k is None:
+    k_out = rules.dims(node)
+    if k_out is None:
         return _no_tokens_in(rules, node)
-    if k != 1:
-        return NotShardable("a batched GEMM whose batch dim is not the tokens", node)
-    return None
+    return None if k_out == 1 else NotShardable("a batched GEMM whose batch dim is not the tokens", node)
 
 
-OP_RULES: dict[Any, Callable[[RowRules, fx.Node], NotShardable | None]] = {
+OP_RULES: dict[Any, Callable[[RowRules, fx.Node, int], NotShardable | None]] = {
     **dict.fromkeys(SIZE_OPS, _resize),
     **dict.fromkeys(DIM_OPS, _along_dim),
     aten.permute.default: _permute,
