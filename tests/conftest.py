@@ -1,7 +1,8 @@
 """Shared test setup: hypothesis profiles and small graph helpers.
 
-Profiles: ``ci`` (thorough, used by .ci/run) and ``dev`` (quick, the default for local runs).
-Pick one with ``HYPOTHESIS_PROFILE=ci``.
+Profiles, picked with ``HYPOTHESIS_PROFILE``: ``dev`` (the default: the quick local run, a few examples per
+property, and the tests marked ``thorough`` skipped), ``ci`` (thorough, set by .ci/run: every test, 100 examples per
+property, the checked-graph floor) and ``mutants`` (the hand-written mutants' selected tests: every test, 40).
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
 )
-settings.register_profile("dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+# The quick profile: every property still draws its edge cases (each test's own @example / explicit cases) and a few
+# random examples; the suite runs in a few minutes from a cold cache on 2 cores (README: Tests).
+settings.register_profile("dev", max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The hand-written mutants' selected tests (tests/mutants/run.py): no test skipped, a moderate number of examples.
+settings.register_profile("mutants", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "dev")
+settings.load_profile(PROFILE)
+THOROUGH = PROFILE != "dev"  # only the quick profile skips the tests marked thorough
 
 
 # The long property tests run first: under pytest-xdist (-n 2, load scheduling deals the first tests round
@@ -48,6 +55,11 @@ LONG_TESTS = (
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {name: index for index, name in enumerate(LONG_TESTS)}
     items.sort(key=lambda item: rank.get(item.originalname, len(LONG_TESTS)))
+    if not THOROUGH:
+        skip = pytest.mark.skip(reason=f"thorough profile only (HYPOTHESIS_PROFILE=ci); this run: {PROFILE}")
+        for item in items:
+            if item.get_closest_marker("thorough"):
+                item.add_marker(skip)
 
 
 # The reliability budget (issue #11): rewritten graphs checked against eager per run, summed over the workers.

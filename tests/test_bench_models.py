@@ -338,6 +338,7 @@ def test_bench_sequences_are_independent_and_causal() -> None:
 # ------------------------------------------------------------------------------------------- benchmark
 
 
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_prefill_benchmark_cpu_smoke(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "benchmarks/prefill_sp.py", "--cpu-smoke", "--layers", "1", "--repeats", "2"]

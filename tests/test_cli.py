@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
+
 import hcpasses
 
 
@@ -193,6 +195,7 @@ def test_the_import_check_finds_forbidden_imports(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_demo_runs_at_tp2_and_matches_eager(tmp_path) -> None:
     proc = run_python("-m", "hcpasses.testing.demo", "--dump-dir", str(tmp_path), "--tokens", "17", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from corpus.gated_residual import NORMS
 from corpus.mhc_spelled import COLLAPSES as MHC_COLLAPSES
@@ -21,6 +22,8 @@ from harness.reference import assert_near_eager
 
 import hcpasses
 from hcpasses.testing.multiproc import run_ranks
+
+pytestmark = pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 
 TOKENS = 13  # ragged at tp 2
 QUANTS_OR_NONE = [*QUANTS, None]

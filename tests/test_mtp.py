@@ -229,6 +229,7 @@ def assert_all_close(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor
         torch.testing.assert_close(got_tensor, expected_tensor, rtol=1e-5, atol=1e-5, msg=what)
 
 
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_tp2_compiled_drafter_and_prefill_match_single_device(
     tp2_results: list[dict[str, Any]], eager_reference: dict[str, Any]
 ) -> None:
@@ -243,6 +244,7 @@ def test_tp2_compiled_drafter_and_prefill_match_single_device(
     assert tp2_results[0]["sp"][:2] == ["applied"] * 2, tp2_results[0]["reports"]
 
 
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_tp2_compiled_speculative_decoding_is_the_targets_greedy_decoding(
     tp2_results: list[dict[str, Any]], eager_reference: dict[str, Any]
 ) -> None:

@@ -315,6 +315,7 @@ def mutating_rank(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_mutations_survive_every_pass_at_tp2() -> None:
     results = run_ranks(mutating_rank, 2, timeout_s=600)
     eager = MutatingHC()

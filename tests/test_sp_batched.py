@@ -148,6 +148,7 @@ def batched_ids(shape: tuple[int, int]) -> torch.Tensor:
     return torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(shape[0] * 100 + shape[1]))
 
 
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_two_gloo_ranks_dispatch_on_batch_times_seq() -> None:
     from hcpasses.testing.multiproc import run_ranks
 

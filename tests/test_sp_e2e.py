@@ -103,6 +103,7 @@ def token_ids(tokens: int) -> torch.Tensor:
     return torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
 
 
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_two_gloo_ranks_match_single_device_eager() -> None:
     results = run_ranks(e2e_rank, 2, timeout_s=900)
     cfg = HCConfig.tiny(n_layers=3, fp8=True, ple_layer=2, seed=5, **TINY)

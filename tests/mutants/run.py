@@ -166,7 +166,7 @@ def run_mutant(mutant: Mutant, files: list[str], timeout: float, keep: bool) -> 
         env.update(
             PYTHONPATH=os.pathsep.join([str(tree), str(plugins)]),
             PYTHONDONTWRITEBYTECODE="1",
-            HYPOTHESIS_PROFILE="dev",
+            HYPOTHESIS_PROFILE="mutants",
             TORCHINDUCTOR_CACHE_DIR=str(cache),
             MUTANT_ROOT=str(tree),
             COLUMNS="240",  # the short summary keeps the error after the node id

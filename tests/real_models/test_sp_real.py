@@ -77,6 +77,7 @@ def compiled_rank(rank: int, tp: int) -> dict[str, object]:
     return {"logits": actual, "reports": [str(r) for r in backend.reports], "sp": backend.reports[0].applied}
 
 
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_two_gloo_ranks_compile_qwen4_exp_with_sp() -> None:
     from hcpasses.testing.multiproc import run_ranks
 

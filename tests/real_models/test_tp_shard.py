@@ -24,6 +24,7 @@ def sharded_logits(rank: int, world_size: int, family: str, fp8: bool) -> list[t
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
 def test_two_gloo_ranks_match_one_device(family: str, fp8: bool) -> None:
     model = FAMILIES[family]()
     if fp8:
