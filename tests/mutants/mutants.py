@@ -146,9 +146,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="sp_partial_sums_on_row_shards",
         fault="SP lets an unrecognised block's sub-layer compute its TP partial sums on row shards",
         file="hcpasses/passes/sp_rewrite/region.py",
-        old="""            verdict = self._check_partial_sum(match, nodes)
+        old="""            (self._check_partial_sum(match, nodes) for match in reduces),
 """,
-        new="""            verdict = None  # the partial-sum check dropped
+        new="""            (None for match in reduces),  # the partial-sum check dropped
 """,
         tests=("tests/test_spellings.py::test_forms_that_would_change_numerics_are_left_alone_at_three_streams",),
         k="fp32_sum",
