@@ -5,6 +5,15 @@ Run from the repository root, one process per GPU (NCCL; gloo on CPU)::
     PYTHONPATH=. python benchmarks/prefill_sp.py --tp 2           # 2 GPUs, the default points
     PYTHONPATH=. python benchmarks/prefill_sp.py --tp 4 --points 64x1,1024x64
     PYTHONPATH=. python benchmarks/prefill_sp.py --cpu-smoke      # tiny model, gloo on CPU: checks the plumbing
+    PYTHONPATH=. python benchmarks/prefill_sp.py --tp 8 --simulate --points 1024x64   # one GPU plays rank 0 of 8
+
+``--simulate`` (``benchmarks/simulated_tp.py``, DESIGN §11): one process on one GPU is rank ``--rank`` of a fake
+group of ``--tp``; the collectives return stand-in values (all-gather = tp copies of the local shard,
+reduce-scatter = this rank's block, all-reduce = identity), so the times are one rank's compute. Each
+variant's collectives of one forward are recorded and priced by the ring model at ``--link-gbps`` (default
+450 GB/s each way, H200 NVLink 4); the rows then carry ``comm_ms`` and ``estimated_ms`` (compute + comm, no
+overlap) beside the measured time. Logits are not those of a real TP run, so ``rel_diff_vs_sp_off`` only
+shows that nothing blew up.
 
 Model: ``hcpasses.testing.models.bench_model.BenchDecoder`` at real sizes (S 2560, n 4, r 320, bf16, 8 layers: linear
 token mixer with GDN-sized projections, attention every 4th layer, SwiGLU 5632; logits of the last
@@ -60,6 +69,7 @@ from hcpasses.testing.models import HCConfig
 from hcpasses.testing.models.bench_model import ATTENTION_PERIOD, MIXER_CHUNK, BenchDecoder, MixerSizes, bench_config
 from hcpasses.testing.models.hc import FinalMixer, HyperConnection
 from hcpasses.testing.multiproc import run_ranks
+from simulated_tp import NVLINK_GBPS_PER_DIRECTION, CommLedger, CommModel, simulated_tp
 
 VARIANTS = ("sp_off", "hcpasses_sp", "handwritten_sp")
 DEFAULT_POINTS = "64x1,1024x1,1024x4,1024x16,1024x64"
@@ -113,6 +123,9 @@ class Settings:
     all_logits: bool
     dynamic: bool
     smoke: bool
+    simulate: bool = False
+    sim_rank: int = 0
+    link_gbps: float = NVLINK_GBPS_PER_DIRECTION
 
     def config(self) -> HCConfig:
         """Real sizes, bf16 (tiny fp32 for the smoke run)."""
@@ -125,15 +138,17 @@ class Settings:
         return MixerSizes(heads=4, key_head_dim=8, value_head_dim=8) if self.smoke else MixerSizes()
 
     def device(self, rank: int) -> torch.device:
-        return torch.device("cpu") if self.smoke else torch.device("cuda", rank)
+        if self.smoke:
+            return torch.device("cpu")
+        return torch.device("cuda", 0 if self.simulate else rank)
 
 
 # ----------------------------------------------------------------------------------------------- timing
 
 
 def log(rank: int, message: str) -> None:
-    """Progress on rank 0's stdout."""
-    if rank == 0:
+    """Progress on rank 0's stdout (on the one process of a simulated run, whichever rank it plays)."""
+    if rank == 0 or dist.get_backend() == "fake":
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
@@ -143,6 +158,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _barrier(device: torch.device) -> None:
+    if not dist.is_initialized():  # simulated tp 1
+        return
     if device.type == "cuda":
         dist.barrier(device_ids=[device.index])
     else:
@@ -222,8 +239,13 @@ def report_summary(backend: Any, seen: int) -> list[dict[str, Any]]:
     return [json.loads(report.to_json()) for report in backend.reports[seen:]]
 
 
-def run_point(model: Any, backend: Any, point: Point, settings: Settings, device: torch.device) -> dict[str, Any]:
-    """Compile (first call), warm up and time one point; returns times, compile time, logits of set 0."""
+def run_point(
+    model: Any, backend: Any, point: Point, settings: Settings, device: torch.device, ledger: CommLedger | None
+) -> dict[str, Any]:
+    """Compile (first call), warm up and time one point; returns times, compile time, logits of set 0.
+
+    With a ledger (simulated TP), one more forward records its collectives and their modelled time.
+    """
     inputs = token_sets(point, settings, device)
     seen = 0 if isinstance(backend, str) else len(backend.reports)
     began = time.perf_counter()
@@ -238,16 +260,24 @@ def run_point(model: Any, backend: Any, point: Point, settings: Settings, device
         for i in range(settings.warmup):
             step(i)
         times = time_calls(step, settings.repeats, device)
-    return {
-        "first_call_s": first_s,
-        "times_ms": times,
-        "median_ms": statistics.median(times),
-        "reports": report_summary(backend, seen),
-        "logits": logits.float().cpu(),
-    }
+        result = {
+            "first_call_s": first_s,
+            "times_ms": times,
+            "median_ms": statistics.median(times),
+            "reports": report_summary(backend, seen),
+            "logits": logits.float().cpu(),
+        }
+        if ledger is not None:
+            ledger.clear()
+            step(0)
+            result["collectives"] = {"counts": ledger.counts(), "full_bytes": ledger.bytes_by_kind()}
+            result["comm_ms"] = CommModel(settings.link_gbps).ms(ledger.calls)
+    return result
 
 
-def run_variant(variant: str, settings: Settings, rank: int, device: torch.device) -> dict[str, dict[str, Any]]:
+def run_variant(
+    variant: str, settings: Settings, rank: int, device: torch.device, ledger: CommLedger | None = None
+) -> dict[str, dict[str, Any]]:
     """Every point of one variant, from a fresh Dynamo state."""
     torch._dynamo.reset()
     cfg, handwritten = settings.config(), variant == "handwritten_sp"
@@ -258,7 +288,7 @@ def run_variant(variant: str, settings: Settings, rank: int, device: torch.devic
     compiled = torch.compile(model, backend=backend, dynamic=settings.dynamic)
     results = {}
     for point in settings.points:
-        results[point.label] = result = run_point(compiled, backend, point, settings, device)
+        results[point.label] = result = run_point(compiled, backend, point, settings, device, ledger)
         log(
             rank,
             f"{variant} {point.label}: first call {result['first_call_s']:.1f} s, median {result['median_ms']:.3f} ms",
@@ -327,7 +357,7 @@ def run_hc_only(settings: Settings, rank: int, device: torch.device) -> dict[str
     return results
 
 
-def rank_main(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
+def rank_main(rank: int, world_size: int, settings: Settings, ledger: CommLedger | None = None) -> dict[str, Any]:
     """One rank's whole benchmark: ceilings, every variant at every point, the HC chain."""
     device = settings.device(rank)
     if settings.smoke:
@@ -335,7 +365,7 @@ def rank_main(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
     torch._dynamo.config.recompile_limit = max(8, 2 * len(settings.points))
     ceilings = measure_ceilings(device, settings.smoke)
     log(rank, f"ceilings: {ceilings}")
-    variants = {variant: run_variant(variant, settings, rank, device) for variant in settings.variants}
+    variants = {variant: run_variant(variant, settings, rank, device, ledger) for variant in settings.variants}
     compare_logits(variants)
     return {"ceilings": ceilings, "variants": variants, "hc_only": run_hc_only(settings, rank, device)}
 
@@ -408,6 +438,9 @@ def variant_row(settings: Settings, point: Point, variant: str, per_rank: list[d
     }
     if "rel_diff_vs_sp_off" in results[0]:
         row["rel_diff_vs_sp_off"] = max(r["rel_diff_vs_sp_off"] for r in results)
+    if "comm_ms" in results[0]:
+        row |= {"comm_ms": results[0]["comm_ms"], "estimated_ms": ms + results[0]["comm_ms"]}
+        row["collectives"] = results[0]["collectives"]
     return row
 
 
@@ -478,6 +511,7 @@ def summarize(settings: Settings, per_rank: list[dict[str, Any]]) -> dict[str, A
     return {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (smoke)",
+        "simulated_tp": settings.simulate,
         "torch": torch.__version__,
         "settings": {**asdict(settings), "points": [p.label for p in settings.points]},
         "model": {"config": repr(settings.config()), "mixer": asdict(settings.sizes())},
@@ -537,6 +571,9 @@ def table(summary: dict[str, Any]) -> str:
         )
         applied = r["variants"].get("hcpasses_sp", {}).get("sp_applied")
         lines.append(f"{r['point']:>10} {r['tokens']:>7} {times} {ratios}  {applied}")
+        if summary["simulated_tp"]:
+            estimates = "".join(f"{r['variants'][v]['estimated_ms']:>18.3f}" for v in variants)
+            lines.append(f"{'+ comm':>10} {'':>7} {estimates}  (ring model, no overlap)")
     for tokens, r in summary["hc_only"].items():
         lines.append(f"HC chain T={tokens}: sharded/unsharded kernel time {r['ratio']:.3f} (rows {r['sharded_rows']})")
     lines.extend(f"goal {name}: {json.dumps(goal)}" for name, goal in summary["goals"].items())
@@ -557,6 +594,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
     parser.add_argument("--all-logits", action="store_true", help="logits of every token, not the last of each")
     parser.add_argument("--dynamic", action="store_true", help="compile with symbolic sizes (one graph per variant)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU over gloo, to check the script")
+    parser.add_argument("--simulate", action="store_true", help="one GPU plays one rank of --tp (simulated_tp.py)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank --simulate plays (default 0)")
+    parser.add_argument("--link-gbps", type=float, default=NVLINK_GBPS_PER_DIRECTION, help="--simulate's comm model")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--timeout", type=float, default=3000.0, help="seconds before the ranks are killed")
     args = parser.parse_args(argv)
@@ -577,6 +617,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
         all_logits=args.all_logits,
         dynamic=args.dynamic,
         smoke=smoke,
+        simulate=args.simulate,
+        sim_rank=args.rank,
+        link_gbps=args.link_gbps,
     )
     return settings, args
 
@@ -584,13 +627,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
 def main(argv: Sequence[str] | None = None) -> None:
     """Run every rank, then write the JSON report and the plot and print the table."""
     settings, args = parse_args(argv)
-    if not settings.smoke and torch.cuda.device_count() < settings.tp:
-        raise SystemExit(f"prefill_sp: --tp {settings.tp} needs as many GPUs (found {torch.cuda.device_count()})")
-    backend = "gloo" if settings.smoke else "nccl"
-    per_rank = run_ranks(rank_main, settings.tp, settings, backend=backend, timeout_s=args.timeout)
+    needed = 1 if settings.simulate else settings.tp
+    if not settings.smoke and torch.cuda.device_count() < needed:
+        raise SystemExit(f"prefill_sp: --tp {settings.tp} needs {needed} GPUs (found {torch.cuda.device_count()})")
+    if settings.simulate:
+        with simulated_tp(settings.tp, settings.sim_rank) as ledger:
+            per_rank = [rank_main(settings.sim_rank, settings.tp, settings, ledger)]
+    else:
+        backend = "gloo" if settings.smoke else "nccl"
+        per_rank = run_ranks(rank_main, settings.tp, settings, backend=backend, timeout_s=args.timeout)
     summary = summarize(settings, per_rank)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{'smoke_' if settings.smoke else ''}prefill_sp_tp{settings.tp}"
+    stem = f"{'smoke_' if settings.smoke else ''}prefill_sp_tp{settings.tp}{'_simulated' if settings.simulate else ''}"
     (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
     plotted = plot(summary, args.out / f"{stem}.png")
     print(table(summary))
