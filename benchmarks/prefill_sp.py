@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from simulated_tp import NVLINK_GBPS_PER_DIRECTION, CommLedger, CommModel, simulated_tp
 from torch import nn
 
 import hcpasses
@@ -69,7 +70,6 @@ from hcpasses.testing.models import HCConfig
 from hcpasses.testing.models.bench_model import ATTENTION_PERIOD, MIXER_CHUNK, BenchDecoder, MixerSizes, bench_config
 from hcpasses.testing.models.hc import FinalMixer, HyperConnection
 from hcpasses.testing.multiproc import run_ranks
-from simulated_tp import NVLINK_GBPS_PER_DIRECTION, CommLedger, CommModel, simulated_tp
 
 VARIANTS = ("sp_off", "hcpasses_sp", "handwritten_sp")
 DEFAULT_POINTS = "64x1,1024x1,1024x4,1024x16,1024x64"
