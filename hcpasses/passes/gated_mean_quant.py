@@ -30,12 +30,15 @@ follows, when the quant differs in any constant or dtype, or when the collapse r
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_graph_pattern
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.patterns.collapse import (
@@ -48,6 +51,8 @@ from hcpasses.patterns.collapse import (
     stream_split,
     traced_patterns,
 )
+from hcpasses.patterns.quant_evaluation import Judgement, NearMiss, QuantMatch, judge_quant
+from hcpasses.patterns.tracing import value_of
 
 if TYPE_CHECKING:
     from hcpasses.config import HCPassesConfig
@@ -77,14 +82,27 @@ class GatedMeanQuantFusion(GraphPass):
         if self._fuser is None:
             self._fuser = self._build_fuser()
         found = sum(1 for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM))
-        fused = self._fuser.apply(graph)
+        by_pattern = self._fuser.apply(graph)
+        collapses = self._finder.find(graph)
+        lookalikes = self._finder.lookalike_note()
+        left = [c for c in collapses if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
+        judged = {c.root: _quant_by_evaluation(c) for c in left if c.refusal is None}
+        evaluated = [match for match in judged.values() if isinstance(match, QuantMatch)]
+        for collapse in left:
+            if isinstance(judged.get(collapse.root), QuantMatch):
+                fuse_matched_quant(graph, collapse, judged[collapse.root])
+        fused = by_pattern + len(evaluated)
         notes: tuple[str, ...] = (f"HC stream collapses found: {found}", f"fused with a per-token FP8 quant: {fused}")
-        if lookalikes := self._finder.lookalike_note():
+        if evaluated:
+            probes = evaluated[0].probes
+            notes += (f"of them matched by evaluation ({probes} probes): {len(evaluated)}",)
+        if lookalikes:
             notes += (lookalikes,)
         if not found:
             return PassResult(0, "no HC stream collapse (gated mean / mHC collapse) in this graph", notes)
-        left = [c for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
-        reason = f"not fused: {'; '.join(map(why_not_fused, left))}" if left else None
+        unfused = [c for c in left if not isinstance(judged.get(c.root), QuantMatch)]
+        reasons = [why_not_fused(c, judged.get(c.root)) for c in unfused]
+        reason = f"not fused: {'; '.join(reasons)}" if unfused else None
         return PassResult(applied=fused, reason=reason, notes=notes)
 
 
@@ -97,14 +115,32 @@ def _is_fp8_cast(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dtype in FP8_DTYPES
 
 
-def why_not_fused(collapse: FoundCollapse) -> str:
+def _downstream_fp8_casts(root: fx.Node) -> list[fx.Node]:
+    """The FP8 casts among the first ``_SEARCH_LIMIT`` nodes downstream of ``root``, nearest first."""
+    seen, frontier, casts = {root}, [root], []
+    while frontier and len(seen) < _SEARCH_LIMIT:
+        frontier = [user for node in frontier for user in node.users if user not in seen and not seen.add(user)]
+        casts += [node for node in frontier if _is_fp8_cast(node)]
+    return casts
+
+
+def _quant_by_evaluation(collapse: FoundCollapse) -> Judgement | None:
+    """The first FP8 cast downstream of the collapse that evaluation finds to be the per-token quant of its
+    output; else the judgement of the nearest one (a near miss, or why it is no quant of it); None if none."""
+    judgements = [judge_quant(collapse.root, cast) for cast in _downstream_fp8_casts(collapse.root)]
+    return next((j for j in judgements if isinstance(j, QuantMatch)), judgements[0] if judgements else None)
+
+
+def why_not_fused(collapse: FoundCollapse, judgement: Judgement | None = None) -> str:
     """The truth about a collapse that was not fused: its form would change numerics, no FP8 cast is
-    downstream of it, or the ops that stand between it and the nearest one (a norm, a reshape, another quant
-    convention: the fused op quantises the collapse output itself, with the DESIGN §5 convention, so anything
-    else is left alone)."""
+    downstream of it, the FP8 cast after it computes other values than the per-token quant (the probe that
+    showed it), or the ops that stand between it and the nearest one (a norm, another source: the fused op
+    quantises the collapse output itself, with the DESIGN §5 convention, so anything else is left alone)."""
     root = collapse.root
     if collapse.refusal is not None:
         return f"{root.name}: {collapse.refusal}"
+    if isinstance(judgement, NearMiss):
+        return f"{root.name}: the FP8 cast after it is a near miss of the per-token quant ({judgement})"
     parents: dict[fx.Node, fx.Node | None] = {root: None}
     frontier = [root]
     while frontier and len(parents) < _SEARCH_LIMIT:
@@ -152,3 +188,85 @@ def _fuse_handler(collapse: Collapse, dtype: torch.dtype, kind: str) -> Callable
         match.replace_by_example(replacement, [kwargs["gate"], kwargs["streams"]])
 
     return handler
+
+
+aten = torch.ops.aten
+
+
+def fuse_matched_quant(graph: fx.Graph, collapse: FoundCollapse, quant: QuantMatch) -> None:
+    """Replace a collapse and the quant that evaluation matched on its output with the fused op.
+
+    Written on plain FX, not with ``Match.replace_by_example``: the quant's sub-DAG is any set of nodes, not the
+    match of a pattern. Outputs are viewed back to the shapes the graph reads (a quant behind ``view(-1, S)``)."""
+    root, gate, streams = collapse.root, collapse.gate, collapse.streams
+    emit = _Emitter(graph, detect_fake_mode([value_of(streams)]), gate)
+    with graph.inserting_before(root.next):  # after the collapse: its gate and streams are defined by then
+        flat_streams, flat_gate = streams, gate
+        if value_of(gate).dim() > 2 or value_of(streams).dim() > 2:  # several token dims or stacked streams
+            flat_streams = emit(aten.reshape.default, streams, [-1, _stream_width(streams, gate)])
+            flat_gate = emit(aten.reshape.default, gate, [-1, value_of(gate).shape[-1]])
+        op = FUSED_GATED_MEAN if collapse.normed else FUSED_WEIGHTED_SUM
+        fused = emit(op, flat_streams, flat_gate, collapse.n)
+        x, codes, scale = (emit(operator.getitem, fused, i) for i in range(3))
+        outputs = [(quant.codes, codes), (root, x)] + ([(quant.scale, scale)] if quant.scale is not None else [])
+        replaced = {old: emit.viewed(new, old) for old, new in outputs}
+    inside = set(quant.nodes)
+    quant.codes.replace_all_uses_with(replaced[quant.codes])
+    if quant.scale is not None:
+        quant.scale.replace_all_uses_with(replaced[quant.scale])
+    root.replace_all_uses_with(replaced[root], delete_user_cb=lambda user: user not in inside)
+    _erase_unused(graph, (*quant.nodes, root), stop={gate, streams})
+
+
+def _stream_width(streams: fx.Node, gate: fx.Node) -> int:
+    """``n * S``: the width of the streams flattened to the fused op's ``[tokens, n*S]`` (stacked ``[..., n, S]``
+    streams have one dim more than their gate)."""
+    shape = value_of(streams).shape
+    return int(shape[-1] * (shape[-2] if len(shape) > value_of(gate).dim() else 1))
+
+
+class _Emitter:
+    """Inserts nodes with their fake values (the manager verifies them against a re-run)."""
+
+    def __init__(self, graph: fx.Graph, fake_mode: Any, gate: fx.Node) -> None:
+        self.graph, self.fake_mode, self.gate = graph, fake_mode, gate
+
+    def __call__(self, target: Any, *args: Any) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        vals = fx.map_arg(args, value_of)
+        with self.fake_mode:
+            node.meta["val"] = target(*vals)
+        return node
+
+    def viewed(self, new: fx.Node, old: fx.Node) -> fx.Node:
+        """``new`` viewed to ``old``'s shape (its token dims spelled as the gate's sizes where symbolic)."""
+        want, have = value_of(old).shape, value_of(new).shape
+        if len(want) == len(have) and all(statically_known_true(a == b) for a, b in zip(want, have, strict=True)):
+            return new
+        return self(aten.reshape.default, new, self._sizes(want))
+
+    def _sizes(self, shape: torch.Size) -> list[Any]:
+        gate_dims = value_of(self.gate).shape[:-1]
+        sizes: list[Any] = []
+        for size in shape:
+            if isinstance(size, int):
+                sizes.append(size)
+                continue
+            dim = next((d for d, g in enumerate(gate_dims) if statically_known_true(g == size)), None)
+            sizes.append(-1 if dim is None else self(aten.sym_size.int, self.gate, dim))
+        if sum(1 for size in sizes if isinstance(size, int) and size == -1) > 1:
+            raise AssertionError(f"two token sizes with no gate dim to spell them: {list(shape)}")
+        return sizes
+
+
+def _erase_unused(graph: fx.Graph, nodes: tuple[fx.Node, ...], stop: set[fx.Node]) -> None:
+    """Erase ``nodes`` and, in turn, their inputs that nothing reads any more, up to ``stop``."""
+    pending, erased = list(nodes), set()
+    while pending:
+        node = pending.pop()
+        if node in stop or node in erased or node.users or node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
+        pending.extend(inputs)
