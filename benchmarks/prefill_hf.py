@@ -1,0 +1,518 @@
+"""Prefill of transformers' real-size HC models under simulated TP: plain Inductor vs hcpasses SP off vs SP.
+
+Run from the repository root on one GPU (each case is one rank of a simulated group, ``simulated_tp.py``)::
+
+    PYTHONPATH=. python benchmarks/prefill_hf.py --models qwen4_exp --tp 1,2,8 --tokens 16384 --dtypes bf16
+    PYTHONPATH=. python benchmarks/prefill_hf.py --cpu-smoke          # tiny models, tiny T, CPU: the plumbing
+
+Models (``hcpasses.testing.hf_models``): ``real_qwen4_exp`` (default 4 layers: 3 GatedDeltaNet + 1 indexed
+attention, PLE in layer 2) and ``real_deepseek_v4`` (default 2 layers), built in the case's dtype on the GPU
+(fp8: bf16 with ``swap_fp8_linears``), then ``shard_for_tp`` for rank ``--rank`` of tp. Where tp exceeds
+qwen4_exp's 2 KV heads, each rank keeps a copy of the KV head its query heads use, as vLLM does
+(:func:`replicate_kv_heads`). One forward is one sequence of T tokens with ``logits_to_keep=1``, as serving
+does (the full lm_head over every token was 20 % of the kernel time, DESIGN §11).
+
+Variants, each compiled with static shapes from a fresh Dynamo state for every case:
+
+- ``inductor``: ``torch.compile(backend="inductor")``;
+- ``sp_off``: ``hcpasses.backend(sp_rewrite=False)``;
+- ``hcpasses_sp``: ``hcpasses.backend(sp_rewrite=True, sp_min_tokens=...)``.
+
+(The hand-written SP of the transformers models, issue #27's fourth variant, is not written yet.)
+
+Per case and variant: the first call's seconds (compile), the passes' own seconds from the reports, the
+median wall time of ``--repeats`` calls (CUDA events; host clock on CPU), the profiler's kernel time and
+kernel count per forward (on CPU: ops' self time and op count, which only checks the plumbing), the
+collectives of one forward with their ring-model time at ``--link-gbps`` (``simulated_tp.CommModel``) and
+``estimated_ms`` = kernel ms + comm ms (no overlap), and the logits' largest difference from ``inductor``'s.
+
+HC-only bound: the model's own HC modules (every decoder layer's two HC blocks and the final mixer / head,
+same weights) run back to back with the sub-layers replaced by a fixed ``y``, compiled alone with symbolic
+rows, timed on T rows and on ceil(T/tp) rows (profiler kernel time). ``hc_share`` = its T-row kernel time /
+``sp_off``'s kernel time; ``hc_bound`` = hc_share * (1 - 1/tp), the fraction of kernel time that sharding
+the HC work could save at best; ``hc_sharded_ratio`` = ceil(T/tp)-row time / T-row time.
+
+Robust on a time-limited GPU call: progress on stdout, the JSON rewritten after every case, and a case that
+raises (out of memory, a head count tp does not divide) is recorded with its error and skipped.
+Writes ``prefill_hf[_<tag>].json`` (``smoke_`` prefixed for ``--cpu-smoke``) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from simulated_tp import NVLINK_GBPS_PER_DIRECTION, CommLedger, CommModel, simulated_tp
+from torch import nn
+
+import hcpasses
+from hcpasses.hf import shard_for_tp, swap_fp8_linears
+from hcpasses.testing import hf_models
+
+MODELS = ("qwen4_exp", "deepseek_v4")
+VARIANTS = ("inductor", "sp_off", "hcpasses_sp")
+DTYPES = ("bf16", "fp8")
+DEFAULT_LAYERS = {"qwen4_exp": 4, "deepseek_v4": 2}
+SMOKE_LAYERS = {"qwen4_exp": 2, "deepseek_v4": 1}  # qwen4_exp: the PLE layer is layer 2
+
+
+@dataclass(frozen=True)
+class Settings:
+    models: tuple[str, ...]
+    tps: tuple[int, ...]
+    tokens: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    variants: tuple[str, ...]
+    layers: int | None
+    rank: int
+    warmup: int
+    repeats: int
+    sp_min_tokens: int
+    link_gbps: float
+    smoke: bool
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.smoke else torch.device("cuda", 0)
+
+    def n_layers(self, model: str) -> int:
+        if self.layers is not None:
+            return self.layers
+        return (SMOKE_LAYERS if self.smoke else DEFAULT_LAYERS)[model]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def build(name: str, settings: Settings) -> nn.Module:
+    """The case's model in bf16 (fp32 for the smoke run), unsharded; qwen4_exp keeps the PLE layers it still has."""
+    layers = settings.n_layers(name)
+    if name == "deepseek_v4":
+        if not settings.smoke:
+            return hf_models.real_deepseek_v4(num_layers=layers, dtype=torch.bfloat16, device=settings.device)
+        tiny = hf_models.DEEPSEEK_V4_TINY
+        cut = {key: tiny[key][:layers] for key in ("layer_types", "mlp_layer_types")}
+        return hf_models.tiny_deepseek_v4(num_hidden_layers=layers, **cut)
+    fields = hf_models.QWEN4_EXP_TINY if settings.smoke else hf_models.QWEN4_EXP_REAL
+    ple = [layer for layer in fields["ple_layer_ids"] if layer <= layers]
+    if not settings.smoke:
+        return hf_models.real_qwen4_exp(layers, torch.bfloat16, settings.device, ple_layer_ids=ple)
+    cut = {"layer_types": fields["layer_types"][:layers], "ple_layer_ids": ple}
+    return hf_models.tiny_qwen4_exp(num_hidden_layers=layers, **cut)
+
+
+def replicate_kv_heads(model: nn.Module, tp: int) -> int:
+    """Give each qwen4_exp attention with fewer KV heads than tp ``tp`` KV heads, head h a copy of the original
+    head ``h * kv // tp``: after ``shard_for_tp`` every rank holds the one KV head its query heads use (vLLM's
+    KV replication). Returns the number of attention modules changed. Before ``swap_fp8_linears``."""
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ != "Qwen4ExpTextAttention":
+            continue
+        config, head_dim = module.config, module.head_dim
+        kv = config.num_key_value_heads
+        if kv >= tp:
+            continue
+        if tp % kv:
+            raise ValueError(f"tp = {tp} is not a multiple of num_key_value_heads = {kv}")
+        rows = torch.cat([torch.arange(h * kv // tp * head_dim, (h * kv // tp + 1) * head_dim) for h in range(tp)])
+        for proj in (module.k_proj, module.v_proj):
+            proj.weight = nn.Parameter(proj.weight.detach()[rows.to(proj.weight.device)], requires_grad=False)
+            proj.out_features = len(rows)
+        module.config = copy.copy(config)
+        module.config.num_key_value_heads = tp
+        module.num_key_value_groups = config.num_attention_heads // tp  # per rank: heads / tp query heads, one KV
+        changed += 1
+    return changed
+
+
+def prepare(name: str, dtype: str, tp: int, settings: Settings) -> nn.Module:
+    """Built, KV-replicated where needed, FP8-swapped for ``fp8``, and sharded for this rank (under the group)."""
+    model = build(name, settings)
+    if tp > 1:
+        replicate_kv_heads(model, tp)
+    if dtype == "fp8":
+        swap_fp8_linears(model)
+    return shard_for_tp(model, settings.rank, tp)
+
+
+class QwenHCChain(nn.Module):
+    """qwen4_exp's HC blocks back to back (same modules), each sub-layer replaced by ``y``, then the mixer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        layers = model.model.layers
+        self.blocks = nn.ModuleList(
+            b for layer in layers for b in (layer.attn_hyper_connection, layer.mlp_hyper_connection)
+        )
+        self.mixer = model.model.hyper_connection_mixer
+
+    def streams(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.randn(1, rows, 4 * hidden, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xs = []
+        for block in self.blocks:
+            x, h, inject = block(h)
+            xs.append(x)
+            h = h + (y.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+        return self.mixer(h), *xs
+
+
+class DeepseekHCChain(nn.Module):
+    """deepseek_v4's mHC blocks back to back (same modules), each sub-layer replaced by ``y``, then the head."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(b for layer in model.model.layers for b in (layer.attn_hc, layer.ffn_hc))
+        self.head = model.model.hc_head
+
+    def streams(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.randn(1, rows, 4, hidden, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xs = []
+        for block in self.blocks:
+            post, comb, x = block(h)
+            xs.append(x)
+            h = post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(h.dtype).transpose(-1, -2), h)
+        return self.head(h), *xs
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(step: Callable[[], Any], repeats: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls: CUDA events (host clock on CPU)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - began) * 1e3)
+    return times
+
+
+def profiled(step: Callable[[], Any], repeats: int, device: torch.device) -> dict[str, float]:
+    """Per call: summed GPU kernel ms and number of kernels ``torch.profiler`` records (CPU: ops' self time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            step()
+        sync(device)
+    kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == kind]
+    total_us = sum(e.time_range.elapsed_us() if on_gpu else e.self_cpu_time_total for e in events)
+    return {"kernel_ms": total_us / repeats / 1e3, "kernels": len(events) / repeats}
+
+
+def make_backend(variant: str, settings: Settings) -> Any:
+    if variant == "inductor":
+        return "inductor"
+    return hcpasses.backend(sp_rewrite=variant == "hcpasses_sp", sp_min_tokens=settings.sp_min_tokens)
+
+
+def pass_summary(backend: Any) -> dict[str, Any]:
+    """What hcpasses did: whether SP sharded a graph, the passes' own seconds, applied counts (none for Inductor)."""
+    if isinstance(backend, str):
+        return {}
+    reports = backend.reports
+    return {
+        "sp_applied": any(r.record("sp_rewrite").applied > 0 for r in reports if r.passes),
+        "passes_s": sum(record.seconds for r in reports for record in r.passes),
+        "applied": [r.applied for r in reports],
+        "graphs": len(reports),
+    }
+
+
+def run_variant(
+    model: nn.Module, variant: str, ids: torch.Tensor, settings: Settings, ledger: CommLedger
+) -> dict[str, Any]:
+    """Compile (first call), warm up, time and profile one variant on ``ids``; one more call for the ledger."""
+    torch._dynamo.reset()
+    backend = make_backend(variant, settings)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    device = settings.device
+
+    def step() -> torch.Tensor:
+        return compiled(input_ids=ids, logits_to_keep=1).logits
+
+    with torch.no_grad():
+        began = time.perf_counter()
+        logits = step()
+        sync(device)
+        compile_s = time.perf_counter() - began
+        for _ in range(settings.warmup):
+            step()
+        times = wall_ms(step, settings.repeats, device)
+        kernels = profiled(step, settings.repeats, device)
+        ledger.clear()
+        step()
+    comm = CommModel(settings.link_gbps)
+    row = {"compile_s": compile_s, "wall_ms": statistics.median(times), "wall_times_ms": times, **kernels}
+    row |= {"collectives": ledger.counts(), "collective_bytes": ledger.bytes_by_kind()}
+    row |= {"comm_ms": comm.ms(ledger.calls), "estimated_ms": kernels["kernel_ms"] + comm.ms(ledger.calls)}
+    row |= pass_summary(backend)
+    row["logits"] = logits.float().cpu()
+    return row
+
+
+def hc_chain_times(model: nn.Module, name: str, tokens: int, tp: int, settings: Settings) -> dict[str, float]:
+    """Kernel ms of the model's HC chain on T rows and on ceil(T/tp) rows."""
+    torch._dynamo.reset()
+    chain = (QwenHCChain if name == "qwen4_exp" else DeepseekHCChain)(model)
+    compiled = torch.compile(chain, dynamic=True)
+    hidden = model.config.hidden_size
+    dtype = model.model.embed_tokens.weight.dtype
+    out = {}
+    for label, rows in (("unsharded", tokens), ("sharded", -(-tokens // tp))):
+        h = chain.streams(rows, hidden, dtype, settings.device)
+        y = torch.randn(1, rows, hidden, dtype=dtype, device=settings.device)
+
+        def step(h: torch.Tensor = h, y: torch.Tensor = y) -> tuple[torch.Tensor, ...]:
+            return compiled(h, y)
+
+        with torch.no_grad():
+            for _ in range(settings.warmup + 1):
+                step()
+            out[f"{label}_kernel_ms"] = profiled(step, settings.repeats, settings.device)["kernel_ms"]
+    out["hc_sharded_ratio"] = out["sharded_kernel_ms"] / out["unsharded_kernel_ms"]
+    return out
+
+
+def hc_bound(hc: dict[str, float], sp_off_kernel_ms: float, tp: int) -> dict[str, float]:
+    """HC share of ``sp_off``'s kernel time and the most sharding the HC work could save: share * (1 - 1/tp)."""
+    share = hc["unsharded_kernel_ms"] / sp_off_kernel_ms
+    return {"hc_share": share, "hc_bound": share * (1 - 1 / tp)}
+
+
+def compare_logits(rows: dict[str, dict[str, Any]]) -> None:
+    """Replace each variant's logits by their largest difference from ``inductor``'s (relative to its max)."""
+    reference = rows.get("inductor", {}).get("logits")
+    for row in rows.values():
+        logits = row.pop("logits", None)
+        if reference is not None and logits is not None:
+            row["rel_diff_vs_inductor"] = float((logits - reference).abs().max() / reference.abs().max())
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    dtype: str
+    tp: int
+    tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.dtype} tp{self.tp} T={self.tokens}"
+
+
+def input_ids(tokens: int, vocab: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(tokens)
+    return torch.randint(2, vocab, (1, tokens), generator=gen).to(device)
+
+
+def run_case(model: nn.Module, case: Case, settings: Settings, ledger: CommLedger) -> dict[str, Any]:
+    """Every variant at one T, then the HC chain; a variant that raises is recorded, the others still run."""
+    ids = input_ids(case.tokens, model.config.vocab_size, settings.device)
+    variants: dict[str, dict[str, Any]] = {}
+    for variant in settings.variants:
+        variants[variant] = guarded(lambda v=variant: run_variant(model, v, ids, settings, ledger))
+        summary = {k: variants[variant].get(k) for k in ("compile_s", "wall_ms", "kernel_ms", "kernels", "error")}
+        log(f"{case.label} {variant}: {json.dumps(summary, default=str)}")
+        release(settings.device)
+    compare_logits(variants)
+    row: dict[str, Any] = {**asdict(case), "variants": variants}
+    hc = guarded(lambda: hc_chain_times(model, case.model, case.tokens, case.tp, settings))
+    row["hc_chain"] = hc
+    if "kernel_ms" in variants.get("sp_off", {}) and "error" not in hc:
+        row |= hc_bound(hc, variants["sp_off"]["kernel_ms"], case.tp)
+    log(f"{case.label} HC chain: {json.dumps({k: row.get(k) for k in ('hc_share', 'hc_bound')})}")
+    return row
+
+
+def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()``, or its error (type, message, traceback tail) when it raises."""
+    try:
+        return fn()
+    except Exception as error:  # recorded per case: one failure must not end a time-limited run
+        return {"error": f"{type(error).__name__}: {error}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+
+
+def release(device: torch.device) -> None:
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def cases(settings: Settings) -> Iterator[tuple[str, str, int, tuple[Case, ...]]]:
+    """(model, dtype, tp, that model's cases at every T): one model build serves all of its T."""
+    for name in settings.models:
+        for dtype in settings.dtypes:
+            for tp in settings.tps:
+                yield name, dtype, tp, tuple(Case(name, dtype, tp, tokens) for tokens in settings.tokens)
+
+
+def run(settings: Settings, path: Path) -> dict[str, Any]:
+    """Every case, the JSON at ``path`` rewritten after each."""
+    report = header(settings)
+    for name, dtype, tp, group in cases(settings):
+        with simulated_tp(tp, settings.rank) as ledger:
+            log(f"building {name} {dtype} tp{tp} ({settings.n_layers(name)} layers)")
+            model = guarded(lambda n=name, d=dtype, t=tp: {"model": prepare(n, d, t, settings)})
+            for case in group:
+                if "error" in model:
+                    report["cases"].append({**asdict(case), "error": model["error"], "traceback": model["traceback"]})
+                else:
+                    report["cases"].append(run_case(model["model"], case, settings, ledger))
+                write(report, path)
+            del model
+            release(settings.device)
+    return report
+
+
+def header(settings: Settings) -> dict[str, Any]:
+    on_gpu = settings.device.type == "cuda"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (smoke)",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "settings": asdict(settings),
+        "comm_model": {"link_gbps": settings.link_gbps, "algorithm": "ring, no overlap"},
+        "method": __doc__,
+        "cases": [],
+    }
+
+
+def write(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))
+
+
+def table(report: dict[str, Any]) -> str:
+    """One line per case and variant."""
+    lines = [
+        f"{'case':<36} {'variant':<12} {'wall ms':>9} {'kernel ms':>10} {'kernels':>8} {'comm ms':>8} "
+        f"{'est ms':>9} {'compile s':>9}  sp"
+    ]
+    for case in report["cases"]:
+        label = f"{case['model']} {case['dtype']} tp{case['tp']} T={case['tokens']}"
+        if "error" in case:
+            lines.append(f"{label:<36} error: {case['error'][:80]}")
+            continue
+        for variant, row in case["variants"].items():
+            if "error" in row:
+                lines.append(f"{label:<36} {variant:<12} error: {row['error'][:70]}")
+                continue
+            times = f"{row['wall_ms']:>9.2f} {row['kernel_ms']:>10.2f} {row['kernels']:>8.0f} {row['comm_ms']:>8.3f}"
+            tail = f"{row['estimated_ms']:>9.2f} {row['compile_s']:>9.1f}  {row.get('sp_applied', '')}"
+            lines.append(f"{label:<36} {variant:<12} {times} {tail}")
+        if "hc_bound" in case:
+            lines.append(
+                f"{label:<36} HC share {case['hc_share']:.3f}, bound {case['hc_bound']:.3f}, "
+                f"sharded/unsharded {case['hc_chain']['hc_sharded_ratio']:.3f}"
+            )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(item) for item in text.split(","))
+
+
+def choice_list(text: str, allowed: Sequence[str], parser: argparse.ArgumentParser, flag: str) -> tuple[str, ...]:
+    items = tuple(item.strip() for item in text.split(","))
+    if set(items) - set(allowed):
+        parser.error(f"{flag} must be a subset of {','.join(allowed)}, got {text!r}")
+    return items
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--tp", default=None, help="simulated TP sizes (default 1,2,4,8; smoke 1,2)")
+    parser.add_argument("--tokens", default=None, help="T list (default 16384,65536; smoke 32)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default qwen4_exp 4, deepseek_v4 2; smoke 2, 1)"
+    )
+    parser.add_argument("--rank", type=int, default=0, help="the rank each simulated group's process plays")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up calls after the first (default 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 5)")
+    parser.add_argument("--sp-min-tokens", type=int, default=None, help="hcpasses threshold (default 1024)")
+    parser.add_argument("--link-gbps", type=float, default=NVLINK_GBPS_PER_DIRECTION, help="comm model GB/s each way")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny models, tiny T, CPU")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    smoke = args.cpu_smoke
+    settings = Settings(
+        models=choice_list(args.models, MODELS, parser, "--models"),
+        tps=int_list(args.tp or ("1,2" if smoke else "1,2,4,8")),
+        tokens=int_list(args.tokens or ("32" if smoke else "16384,65536")),
+        dtypes=choice_list(args.dtypes, DTYPES, parser, "--dtypes"),
+        variants=choice_list(args.variants, VARIANTS, parser, "--variants"),
+        layers=args.layers,
+        rank=args.rank,
+        warmup=args.warmup if args.warmup is not None else (1 if smoke else 2),
+        repeats=args.repeats or (2 if smoke else 5),
+        sp_min_tokens=args.sp_min_tokens or (16 if smoke else 1024),
+        link_gbps=args.link_gbps,
+        smoke=smoke,
+    )
+    stem = f"{'smoke_' if smoke else ''}prefill_hf{'_' + args.tag if args.tag else ''}"
+    return settings, args.out / f"{stem}.json"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings, path = parse_args(argv)
+    if not settings.smoke and not torch.cuda.is_available():
+        raise SystemExit("prefill_hf: needs a GPU (or --cpu-smoke)")
+    if settings.smoke:
+        torch.set_num_threads(1)
+    log(f"prefill_hf: {json.dumps(asdict(settings))} -> {path}")
+    report = run(settings, path)
+    print(table(report))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
