@@ -1,0 +1,92 @@
+"""``benchmarks/prefill_hf.py``: its pieces quickly (KV replication, the HC bound, error records, the table), and its
+``--cpu-smoke`` run end to end (thorough: a few tiny-model compiles on CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hcpasses.testing.hf_models import tiny_qwen4_exp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import prefill_hf  # noqa: E402
+from simulated_tp import simulated_tp  # noqa: E402
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == "Qwen4ExpTextAttention"]
+
+
+def test_replicate_kv_heads_gives_each_rank_the_kv_head_of_its_query_heads() -> None:
+    model = tiny_qwen4_exp()  # 4 query heads, 2 KV heads of 16
+    (attention,) = attention_modules(model)
+    before = attention.k_proj.weight.detach().clone().unflatten(0, (2, 16))
+    assert prefill_hf.replicate_kv_heads(model, 4) == 1
+    after = attention.k_proj.weight.detach().unflatten(0, (4, 16))
+    for head in range(4):  # query head h of 4 reads KV head h // 2
+        assert torch.equal(after[head], before[head // 2])
+    assert attention.config.num_key_value_heads == 4 and attention.num_key_value_groups == 1
+    assert model.config.num_key_value_heads == 2  # the model's own config is untouched
+    assert prefill_hf.replicate_kv_heads(tiny_qwen4_exp(), 2) == 0  # enough KV heads already
+
+
+def test_a_kv_replicated_sharded_model_runs_under_simulated_tp() -> None:
+    for rank in range(2):
+        model = tiny_qwen4_exp(num_key_value_heads=1)
+        with simulated_tp(2, rank) as ledger, torch.no_grad():
+            prefill_hf.replicate_kv_heads(model, 2)
+            prefill_hf.shard_for_tp(model, rank, 2)
+            (attention,) = attention_modules(model)
+            assert attention.k_proj.out_features == 16 and attention.num_key_value_groups == 2
+            ids = prefill_hf.input_ids(12, model.config.vocab_size, torch.device("cpu"))
+            logits = model(input_ids=ids, logits_to_keep=1).logits
+        assert logits.shape == (1, 1, model.config.vocab_size) and bool(logits.isfinite().all())
+        assert ledger.counts() == {"all_reduce": 8}  # 4 layers x (token mixer + MoE)
+
+
+def test_hc_bound_and_error_records() -> None:
+    bound = prefill_hf.hc_bound({"unsharded_kernel_ms": 3.0, "sharded_kernel_ms": 0.8}, 12.0, tp=4)
+    assert bound == {"hc_share": 0.25, "hc_bound": 0.25 * 0.75}
+
+    def fails() -> dict:
+        raise ValueError("num_key_value_heads = 2 is not divisible by tp = 8")
+
+    record = prefill_hf.guarded(fails)
+    assert record["error"].startswith("ValueError: num_key_value_heads") and "Traceback" in record["traceback"]
+    report = {"cases": [{"model": "qwen4_exp", "dtype": "fp8", "tp": 8, "tokens": 16, **record}]}
+    assert "error: ValueError" in prefill_hf.table(report)
+
+
+def test_subsets_are_checked() -> None:
+    with pytest.raises(SystemExit):
+        prefill_hf.parse_args(["--models", "llama"])
+    settings, path = prefill_hf.parse_args(["--cpu-smoke", "--tp", "1,2", "--tag", "x"])
+    assert settings.tps == (1, 2) and settings.tokens == (32,) and path.name == "smoke_prefill_hf_x.json"
+
+
+@pytest.mark.thorough
+def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
+    command = [sys.executable, "benchmarks/prefill_hf.py", "--cpu-smoke", "--models", "qwen4_exp", "--tp", "1,2"]
+    command += ["--dtypes", "bf16", "--variants", "sp_off,hcpasses_sp", "--repeats", "1", "--warmup", "0"]
+    command += ["--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((tmp_path / "smoke_prefill_hf.json").read_text())
+    assert [(case["tp"], case["tokens"]) for case in report["cases"]] == [(1, 32), (2, 32)]
+    for case in report["cases"]:
+        assert "error" not in case, case
+        for variant, row in case["variants"].items():
+            assert "error" not in row, (variant, row["error"])
+            assert row["kernels"] > 0 and row["kernel_ms"] > 0 and row["compile_s"] > 0
+            assert row["sp_applied"] == (variant == "hcpasses_sp" and case["tp"] == 2), (case["tp"], variant)
+            assert (row["comm_ms"] > 0) == (case["tp"] == 2)
+        assert 0 < case["hc_share"] < 1 and case["hc_bound"] == pytest.approx(case["hc_share"] * (1 - 1 / case["tp"]))
+    sharded = report["cases"][1]["variants"]
+    assert sharded["sp_off"]["collectives"] == {"all_reduce": 4}  # 2 layers x (token mixer + MoE)
+    assert {"all_gather", "reduce_scatter"} <= set(sharded["hcpasses_sp"]["collectives"])
