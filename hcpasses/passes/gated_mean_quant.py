@@ -23,14 +23,20 @@ DeepSeek-V4 mHC collapse (``sum_s w_s * h_s``, scalar fp32 gates) -> ``hcpasses.
 Applies when: the collapse is exactly one of the patterns in ``hcpasses.patterns.gated_mean`` in
 fp32, bf16 or fp16 (both inputs of that dtype; mHC gates fp32) whose values the fused op gives (a bf16
 ``sum / n`` is the mean only when n is a power of two), on ``[..., n*S]`` (or stacked
-``[..., n, S]``) streams with static n and S, and the quant that follows is the DESIGN §5 convention
-to the constant. Bails out (leaves the collapse alone and says so in the report) when no quant
-follows, when the quant differs in any constant or dtype, or when the collapse reduces over another dim.
+``[..., n, S]``) streams with static n and S, and the quant that follows computes the DESIGN §5 convention.
+The quant is found two ways: the traced patterns (the quant as ``hcpasses.kernels.contract`` spells it), then,
+for a collapse no pattern fused, by evaluation (``hcpasses.patterns.quant_evaluation``): the sub-DAG from the
+collapse output to a downstream FP8 cast, whatever its ops, run on probe rows and accepted when its codes and
+scales are bit-identical to the contract's (the report counts these, with the probes and the time it took).
+Bails out (leaves the collapse alone and says so in the report) when no quant follows, when the quant is a near
+miss (the report names the probe that separated it), when it reads another value than the collapse output, or
+when the collapse reduces over another dim.
 """
 
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +92,9 @@ class GatedMeanQuantFusion(GraphPass):
         collapses = self._finder.find(graph)
         lookalikes = self._finder.lookalike_note()
         left = [c for c in collapses if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
+        started = time.perf_counter()
         judged = {c.root: _quant_by_evaluation(c) for c in left if c.refusal is None}
+        evaluation_ms = (time.perf_counter() - started) * 1e3
         evaluated = [match for match in judged.values() if isinstance(match, QuantMatch)]
         for collapse in left:
             if isinstance(judged.get(collapse.root), QuantMatch):
@@ -96,6 +104,8 @@ class GatedMeanQuantFusion(GraphPass):
         if evaluated:
             probes = evaluated[0].probes
             notes += (f"of them matched by evaluation ({probes} probes): {len(evaluated)}",)
+        if judged:  # the cost of evaluation (issue #26: passes stay within 10 % of Inductor's compile time)
+            notes += (f"quants judged by evaluation after {len(judged)} collapses: {evaluation_ms:.1f} ms",)
         if lookalikes:
             notes += (lookalikes,)
         if not found:
