@@ -38,12 +38,34 @@ MUTANTS: tuple[Mutant, ...] = (
         name="fusion_reports_but_restores",
         fault="the fusion pass counts and reports its matches, then puts the graph back as it was (nothing fused)",
         file="hcpasses/passes/gated_mean_quant.py",
-        old="""        fused = self._fuser.apply(graph)
+        old="""        by_pattern = self._fuser.apply(graph)
+        collapses = self._finder.find(graph)
+        lookalikes = self._finder.lookalike_note()
+        left = [c for c in collapses if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
+        started = time.perf_counter()
+        judged = {c.root: _quant_by_evaluation(c) for c in left if c.refusal is None}
+        evaluation_ms = (time.perf_counter() - started) * 1e3
+        evaluated = [match for match in judged.values() if isinstance(match, QuantMatch)]
+        for collapse in left:
+            if isinstance(judged.get(collapse.root), QuantMatch):
+                fuse_matched_quant(graph, collapse, judged[collapse.root])
+        fused = by_pattern + len(evaluated)
 """,
         new="""        from hcpasses.verify import graph_state, restore_graph
 
         state = graph_state(graph)
-        fused = self._fuser.apply(graph)
+        by_pattern = self._fuser.apply(graph)
+        collapses = self._finder.find(graph)
+        lookalikes = self._finder.lookalike_note()
+        left = [c for c in collapses if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
+        started = time.perf_counter()
+        judged = {c.root: _quant_by_evaluation(c) for c in left if c.refusal is None}
+        evaluation_ms = (time.perf_counter() - started) * 1e3
+        evaluated = [match for match in judged.values() if isinstance(match, QuantMatch)]
+        for collapse in left:
+            if isinstance(judged.get(collapse.root), QuantMatch):
+                fuse_matched_quant(graph, collapse, judged[collapse.root])
+        fused = by_pattern + len(evaluated)
         restore_graph(graph, state)  # a dry run left in: the matches are counted, the rewrite undone
 """,
         tests=(
