@@ -156,3 +156,15 @@ def test_a_near_miss_is_left_unfused_and_the_report_names_its_probe() -> None:
     reason = report.record("gated_mean_quant").reason
     assert reason.count("near miss of the per-token quant") == 2 and "'ties between FP8 codes'" in reason, reason
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_probes_run_on_the_device_and_the_quant_fuses_by_evaluation() -> None:
+    """The probes run where the graph runs (a CUDA division by a Python scalar may round otherwise than CPU's)."""
+    torch.manual_seed(0)
+    model = QuantisedHC(upcast_first_maximum_floor, torch.bfloat16).cuda()
+    ids = torch.randint(0, 64, (64,), generator=torch.Generator().manual_seed(7)).cuda()
+    report, graph, out, expected = compile_and_run(model, ids)
+    assert report.applied["gated_mean_quant"] == 2 == fused_op_count(graph), report
+    assert "of them matched by evaluation (7 probes): 2" in report.record("gated_mean_quant").notes, report
+    torch.testing.assert_close(out.float(), expected.float(), rtol=5e-2, atol=5e-2)
