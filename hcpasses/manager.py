@@ -60,6 +60,20 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
+def process_group_layout() -> str:
+    """This process's rank and size in every process group it belongs to, by group name: ``-`` when not distributed.
+
+    Part of the cache key: each rank's graph bakes in its rank in the group an SP region shards over (shard_rows),
+    ranks share one on-disk cache, and a group name alone does not say which rank this process is in it (two jobs
+    may give the name to groups of other ranks). Internal API: ``distributed_c10d._world.pg_names`` (every group
+    this process is a member of, with its name; 2.11 and 2.13), pinned in ``tests/test_sp_groups.py``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return "-"
+    groups = sorted(dist.distributed_c10d._world.pg_names.items(), key=lambda item: item[1])
+    return ",".join(f"{name}:{dist.get_rank(group)}/{dist.get_world_size(group)}" for group, name in groups)
+
+
 def pass_fingerprint(graph_pass: GraphPass) -> str:
     """A pass's class and the source of the file defining it (passes may live outside the package)."""
     source = inspect.getsourcefile(type(graph_pass))
@@ -96,9 +110,7 @@ class PassManager(CustomGraphPass):
         self._uuid = hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     def uuid(self) -> str:
-        # Each rank's graph bakes in its rank (shard_rows), and ranks share one on-disk cache.
-        rank = f"{dist.get_rank()}/{dist.get_world_size()}" if dist.is_available() and dist.is_initialized() else "-"
-        return hashlib.sha256(f"{self._uuid}|{rank}".encode()).hexdigest()
+        return hashlib.sha256(f"{self._uuid}|{process_group_layout()}".encode()).hexdigest()
 
     def __call__(self, graph: fx.Graph) -> None:
         report = GraphReport(index=-1, num_nodes_before=len(graph.nodes))  # the backend numbers it

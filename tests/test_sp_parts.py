@@ -53,7 +53,7 @@ def check_parts(ple_layer: int | None) -> None:
         assert [r.start for r in plan.regions] == [stream_value(r.collapses[0]) for r in plan.regions]
         assert sum(len(r.reduces) for r in plan.regions) == 2 * LAYERS
         for region in plan.regions:
-            rewrite_region(graph, region, rank=0, tp=2)
+            rewrite_region(graph, region)
         refresh_fake_values(graph)  # the manager's part after a resizing pass
         verify_graph(graph)
     # Each sub-layer input and the final mixer output are gathered; at the PLE cut, what the PLE reads: the

@@ -44,17 +44,23 @@ from hcpasses.tp import resolve_tp
 HeadLayout = Sequence[tuple[int, int]]  # (number of heads, rows per head) for each part of a fused output
 
 
-def shard_for_tp(model: nn.Module, tp_rank: int | None = None, tp_size: int | None = None) -> nn.Module:
+def shard_for_tp(
+    model: nn.Module,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> nn.Module:
     """Shard ``model`` (a qwen4_exp or deepseek_v4 causal LM or base model) for tensor parallelism, in place.
 
-    ``tp_rank`` / ``tp_size`` default to the default process group's rank and size; the all-reduces run on
-    the default group. Returns ``model``. tp = 1 leaves it unchanged. Raises ``ValueError`` naming the size
+    ``group`` is the TP group (default: the default process group; a DP x TP job passes the group it made with
+    ``dist.new_group``): the all-reduces run on it, and ``tp_rank`` / ``tp_size`` default to this process's rank
+    in it and its size. Returns ``model``. tp = 1 leaves it unchanged. Raises ``ValueError`` naming the size
     when a head count or width is not divisible by tp, or when the model has no sub-layer this knows.
     """
-    rank, size = _resolve_tp(tp_rank, tp_size)
+    rank, size = _resolve_tp(tp_rank, tp_size, group)
     if size == 1:
         return model
-    group = dist.group.WORLD
+    group = dist.group.WORLD if group is None else group
     found = 0
     for name, module in list(model.named_modules()):
         sharder = _SHARDERS.get(type(module).__name__)
@@ -68,12 +74,12 @@ def shard_for_tp(model: nn.Module, tp_rank: int | None = None, tp_size: int | No
     return model
 
 
-def _resolve_tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
-    """The explicit rank and size, or the default process group's (``hcpasses.tp.resolve_tp``); unlike the
-    models, which run unsharded without a group, sharding without either is an error."""
+def _resolve_tp(tp_rank: int | None, tp_size: int | None, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """The explicit rank and size, or the TP group's (``hcpasses.tp.resolve_tp``); unlike the models, which run
+    unsharded without a group, sharding without either is an error."""
     if (tp_rank is None or tp_size is None) and not dist.is_initialized():
         raise ValueError("pass tp_rank and tp_size, or initialise the default process group first")
-    return resolve_tp(tp_rank, tp_size)
+    return resolve_tp(tp_rank, tp_size, group)
 
 
 def _all_reduce_hook(group: Any) -> Any:

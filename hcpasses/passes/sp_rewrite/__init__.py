@@ -41,10 +41,17 @@ How the region is found:
 
       h -> [HC blocks, sharded] -> all_gather(h) -> PLE conv (full rows) -> shard_rows -> [HC blocks, sharded]
 
-Applies when: torch.distributed is initialised with tp > 1, the all-reduces are sum over the default
-group, T >= ``sp_min_tokens`` (static T; with symbolic T the graph is correct for every T and the
-backend dispatches small T to an unsharded variant), and some HC block has an all-reduce feeding a later
-HC block with only row-local nodes in between. Otherwise the graph is left untouched and the report says why.
+Groups: a region shards over the group of the all-reduces it replaces, whichever group that is (the default one,
+or a TP group a DP x TP job made with ``dist.new_group``): rank r and tp above are this process's rank in that
+group and its size, read off the group the graph names (``collectives.resolve_group``), and the collectives it
+emits name the same group. A region's all-reduces sum over one group: where the group changes, the region is
+cut (the first node reading the other group's sum ends it) and the next HC block starts a region over the
+other group. An all-reduce over a group of size 1 sums nothing: no region replaces it, and the report says so.
+
+Applies when: torch.distributed is initialised, the all-reduces are sums over groups of this process, T >=
+``sp_min_tokens`` (static T; with symbolic T the graph is correct for every T and the backend dispatches small T
+to an unsharded variant), and some HC block has an all-reduce over a group of size > 1 feeding a later HC block
+with only row-local nodes in between. Otherwise the graph is left untouched and the report says why.
 
 Code: analysis first, emission second. ``collectives`` finds the all-reduces (typed matches), ``tokens`` reads
 token dims and stream values, ``rules`` holds the row-locality checks, ``region`` builds the frozen ``Plan`` of
@@ -61,7 +68,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from hcpasses.graph_pass import GraphPass, PassResult, ShardedTokens
-from hcpasses.passes.sp_rewrite.collectives import find_all_reduces
+from hcpasses.passes.sp_rewrite.collectives import AllReduceMatch, find_all_reduces
 from hcpasses.passes.sp_rewrite.emit import rewrite_region
 from hcpasses.passes.sp_rewrite.region import Plan, find_regions
 from hcpasses.passes.sp_rewrite.verdict import NotShardable
@@ -81,9 +88,8 @@ class SPRewrite(GraphPass):
         self._finder = CollapseFinder()
 
     def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not (dist.is_available() and dist.is_initialized()):
             return PassResult(0, "not distributed (tp = 1): nothing to shard")
-        rank, tp = dist.get_rank(), dist.get_world_size()
         collapses = self._finder.find(graph)
         if not collapses:
             return PassResult(0, "no HC block (stream collapse) in this graph")
@@ -95,30 +101,45 @@ class SPRewrite(GraphPass):
             notes.append(lookalikes)
         if isinstance(reduces, NotShardable):
             return PassResult(0, str(reduces), tuple(notes))
+        reduces, alone = _over_groups_of_tp(reduces)
+        notes += alone
+        if not reduces:
+            return PassResult(
+                0, "every all-reduce sums over a group of size 1 (tp = 1): nothing to shard", tuple(notes)
+            )
         plan = find_regions(graph, collapses, reduces)
         if not plan.regions:
             return PassResult(0, "no shardable region: " + "; ".join(map(str, plan.cuts)), tuple(notes))
         if isinstance(plan.tokens, int) and plan.tokens < config.sp_min_tokens:
             return PassResult(0, f"T={plan.tokens} < sp_min_tokens={config.sp_min_tokens}", tuple(notes))
         for region in plan.regions:  # in graph order; the regions share no node
-            rewrite_region(graph, region, rank, tp)
+            rewrite_region(graph, region)
         tokens = plan.tokens if isinstance(plan.tokens, int) else str(plan.tokens)
         sharded = sum(len(region.collapses) for region in plan.regions)
         return PassResult(
             sharded,
             None,
-            (*notes, *_plan_notes(plan, len(collapses), tp)),
+            (*notes, *_plan_notes(plan, len(collapses))),
             _plan_facts(plan),
             ShardedTokens(tokens, config.sp_min_tokens),
         )
 
 
-def _plan_notes(plan: Plan, found: int, tp: int) -> list[str]:
+def _over_groups_of_tp(reduces: tuple[AllReduceMatch, ...]) -> tuple[tuple[AllReduceMatch, ...], list[str]]:
+    """The all-reduces over groups of size > 1, and a note naming the others (they sum nothing: left alone)."""
+    alone = [match for match in reduces if match.group.size == 1]
+    names = ", ".join(f"{match.all_reduce.name} over {match.group}" for match in alone)
+    notes = [f"all-reduces over a group of size 1, left alone: {names}"] if alone else []
+    return tuple(match for match in reduces if match.group.size > 1), notes
+
+
+def _plan_notes(plan: Plan, found: int) -> list[str]:
     notes = []
     for region in plan.regions:
         gathered = ", ".join(exit_.value.name for exit_ in region.exits)
         notes += [
             f"region starts at {region.start.name}: {region.why_start}",
+            f"  sharded over {region.group}",
             f"  HC blocks sharded: {len(region.collapses)}; region nodes: {len(region.nodes)}; "
             f"{len(region.reduces)} all-reduce -> reduce-scatter; {len(region.exits)} all-gathers: {gathered}",
         ]
@@ -134,7 +155,7 @@ def _plan_notes(plan: Plan, found: int, tp: int) -> list[str]:
         f"stream-wide values gathered (n*S wide, e.g. a returned HC state): {', '.join(streams) or 'none'}",
         f"streams continue into another HC stack without a gather (e.g. an MTP drafter): "
         f"{'yes' if entries else 'no'} ({entries} full-size term(s) sharded where they join)",
-        f"rows per rank: ceil({plan.tokens}/{tp})",
+        *(f"rows per rank: ceil({plan.tokens}/{size})" for size in sorted({r.group.size for r in plan.regions})),
     ]
 
 

@@ -26,14 +26,16 @@ aten = torch.ops.aten
 SHARD_ROWS = torch.ops.hcpasses.shard_rows.default  # registered by importing hcpasses.rows
 
 
-def rewrite_region(graph: fx.Graph, region: Region, rank: int, tp: int) -> tuple[str, ...]:
-    """Shard ``region`` for ``rank`` of ``tp``; returns the names of the values gathered at its exits."""
-    return _Emitter(graph, region, rank, tp).emit()
+def rewrite_region(graph: fx.Graph, region: Region) -> tuple[str, ...]:
+    """Shard ``region`` over its group (this process's rank in it, its size); returns the names of the values
+    gathered at its exits."""
+    return _Emitter(graph, region).emit()
 
 
 class _Emitter:
-    def __init__(self, graph: fx.Graph, region: Region, rank: int, tp: int) -> None:
-        self.graph, self.region, self.rank, self.tp = graph, region, rank, tp
+    def __init__(self, graph: fx.Graph, region: Region) -> None:
+        self.graph, self.region = graph, region
+        self.rank, self.tp = region.group.rank, region.group.size
 
     def emit(self) -> tuple[str, ...]:
         region, graph = self.region, self.graph
@@ -93,7 +95,7 @@ class _Emitter:
             flat = self._flatten_tokens(partial, k, shape[k:])
             padded = self._pad_rows(flat, len(shape) - k + 1)
             scattered = self.graph.call_function(
-                c10d.reduce_scatter_tensor.default, (padded, "sum", self.tp, self.region.group)
+                c10d.reduce_scatter_tensor.default, (padded, "sum", self.tp, self.region.group.arg)
             )
             local = self.graph.call_function(WAIT, (scattered,))
             if k > 1:
@@ -127,7 +129,7 @@ class _Emitter:
         """All token rows of a region value: all_gather (FP8 as uint8 bytes), trim the pad rows, restore the token
         dims."""
         k, val, as_bytes = self.region.dims[exit_.value], value_of(exit_.value), exit_.as_bytes
-        rest, group = list(val.shape[k:]), self.region.group
+        rest, group = list(val.shape[k:]), self.region.group.arg
         with self.graph.inserting_before(node.next):  # keeps the new nodes in order, right after node
             source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
             flat = self._flatten_tokens(source, k, rest)
@@ -137,6 +139,7 @@ class _Emitter:
             if k > 1:
                 full = self.graph.call_function(aten.reshape.default, (full, [*map(self._size, exit_.sizes), *rest]))
             return self.graph.call_function(aten.view.dtype, (full, val.dtype)) if as_bytes else full
+
 
 def _replace_uses(old: fx.Node, new: Any) -> None:
     """Every use of ``old`` reads ``new``, a node or a plain int (``Node.replace_all_uses_with`` takes nodes only)."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch
+from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
 from hcpasses.passes.sp_rewrite.rules import SIZE_OPS, RowRules
 from hcpasses.passes.sp_rewrite.tokens import Size, collapse_tokens, resolve_size, same_size, stream_value
@@ -56,7 +56,8 @@ class Region:
 
     ``nodes`` run on shards (``start`` and the waits of ``reduces`` are not among them: the start stays full for
     its users outside, the waits are replaced). ``dims`` holds the token dims of every value the rewrite touches.
-    ``start_sizes`` are the start's token sizes (what ``Size`` values refer to); ``tokens`` is N.
+    ``start_sizes`` are the start's token sizes (what ``Size`` values refer to); ``tokens`` is N. Its all-reduces
+    sum over one group, ``group``, which its rows are sharded over (the planner cuts where the group changes).
     """
 
     start: fx.Node
@@ -77,7 +78,7 @@ class Region:
             raise ValueError(f"a region reduces over exactly one group, got {sorted(map(str, groups))}")
 
     @property
-    def group(self) -> Any:
+    def group(self) -> TPGroup:
         return self.reduces[0].group
 
     @property
@@ -99,8 +100,10 @@ def find_regions(graph: fx.Graph, collapses: list[FoundCollapse], reduces: Itera
 
     A region starts at an HC block's stream value and takes the later blocks it can: a node that cannot run
     on row shards ends it before that node (the values the node reads are gathered there) and the next HC
-    block after the node starts the next region. A block whose stream value cannot be found, or after which
-    no all-reduce feeds an HC block, starts none. One unfamiliar piece costs only the blocks it touches.
+    block after the node starts the next region. So does the first node that reads an all-reduce over another
+    group than the region's earlier ones: a region shards over the one group its all-reduces sum over. A block
+    whose stream value cannot be found, or after which no all-reduce feeds an HC block, starts none. One
+    unfamiliar piece costs only the blocks it touches.
     """
     reduces = tuple(reduces)
     order = node_order(graph)
@@ -149,14 +152,32 @@ class _RegionBuilder:
             used = tuple(m for m in self.reduces if self.order[m.all_reduce] > self.order[start] and m.wait in feeding)
             if not used:
                 return None, cut or NotShardable("no all-reduce feeds an HC block after this point", start)
-            region = self._region(blocks[:end], start, used, sinks, why_start)
-            if isinstance(region, Region):
-                return region, cut
+            other = next((match for match in used if match.group != used[0].group), None)
+            if other is not None:
+                cut, sinks = self._group_change(used[0].group, other, feeding)
+            else:
+                region = self._region(blocks[:end], start, used, sinks, why_start)
+                if isinstance(region, Region):
+                    return region, cut
+                cut, sinks = region, region.node.all_input_nodes
             # Keep the blocks before the failing node and run the region up to it: each retry fails, if at all,
-            # at a node before this one, so the loop ends.
-            cut, sinks = region, region.node.all_input_nodes
-            end = sum(1 for c in blocks[:end] if self.order[c.root] < self.order[region.node])
+            # at a node before this one (the failing node is in the region), so the loop ends.
+            end = sum(1 for c in blocks[:end] if self.order[c.root] < self.order[cut.node])
         return None, cut
+
+    def _group_change(
+        self, group: TPGroup, other: AllReduceMatch, feeding: set[fx.Node]
+    ) -> tuple[NotShardable, list[fx.Node]]:
+        """The cut where the region's all-reduces change group: the first node on the region's way that reads
+        ``other``'s sum. The region runs up to that node's other inputs (gathered over ``group`` for it); the sum
+        stays an all-reduce over its own group, and the next HC block starts a region over that one."""
+        readers = [user for user in other.wait.users if user in feeding] or list(other.wait.users)
+        reader = min(readers, key=self.order.__getitem__)
+        why = (
+            f"reads {other.all_reduce.name}, a sum over {other.group}, while the region's all-reduces sum over "
+            f"{group}: a region shards over one group"
+        )
+        return NotShardable(why, reader), [node for node in reader.all_input_nodes if node is not other.wait]
 
     def _region(
         self,

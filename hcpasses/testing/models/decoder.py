@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -49,17 +50,29 @@ def _input_projection(cfg: HCConfig, out_features: list[int], *, name: str, tp_r
     return cls(cfg.hidden, out_features, seed=cfg.seed, name=name, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size)
 
 
-def output_projection(cfg: HCConfig, in_features: int, *, name: str, tp_rank: int, tp_size: int) -> RowParallelLinear:
-    """The sub-layer output projection ``[in_features] -> [S]``: row-parallel, all-reduced."""
+def output_projection(
+    cfg: HCConfig, in_features: int, *, name: str, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None = None
+) -> RowParallelLinear:
+    """The sub-layer output projection ``[in_features] -> [S]``: row-parallel, all-reduced over ``group`` (default:
+    the default process group)."""
     return RowParallelLinear(
-        in_features, cfg.hidden, seed=cfg.seed, name=name, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size
+        in_features,
+        cfg.hidden,
+        seed=cfg.seed,
+        name=name,
+        dtype=cfg.dtype,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        group=group,
     )
 
 
 class Attention(nn.Module):
     """Causal GQA self-attention with RoPE; q, k and v heads sharded across ranks."""
 
-    def __init__(self, cfg: HCConfig, *, name: str, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, cfg: HCConfig, *, name: str, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads // tp_size
         self.n_kv_heads = cfg.n_kv_heads // tp_size
@@ -68,7 +81,9 @@ class Attention(nn.Module):
         self.qkv = _input_projection(
             cfg, [q_width, kv_width, kv_width], name=f"{name}.qkv", tp_rank=tp_rank, tp_size=tp_size
         )
-        self.o_proj = output_projection(cfg, q_width, name=f"{name}.o_proj", tp_rank=tp_rank, tp_size=tp_size)
+        self.o_proj = output_projection(
+            cfg, q_width, name=f"{name}.o_proj", tp_rank=tp_rank, tp_size=tp_size, group=group
+        )
 
     def heads(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's rotated ``q [H, T, D]``, rotated ``k [H_kv, T, D]`` and ``v [H_kv, T, D]`` of ``x [T, S]``."""
@@ -120,11 +135,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU MLP: column-parallel gate_up, row-parallel down."""
 
-    def __init__(self, cfg: HCConfig, *, name: str, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, cfg: HCConfig, *, name: str, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         parts = [cfg.intermediate, cfg.intermediate]
         self.gate_up = _input_projection(cfg, parts, name=f"{name}.gate_up", tp_rank=tp_rank, tp_size=tp_size)
-        self.down = output_projection(cfg, cfg.intermediate, name=f"{name}.down", tp_rank=tp_rank, tp_size=tp_size)
+        self.down = output_projection(
+            cfg, cfg.intermediate, name=f"{name}.down", tp_rank=tp_rank, tp_size=tp_size, group=group
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, S] -> [T, S]`` (all-reduced)."""
@@ -224,14 +243,16 @@ class HCDecoderLayer(nn.Module):
 
     hc_class: type[nn.Module] = HyperConnection
 
-    def __init__(self, cfg: HCConfig, index: int, *, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, cfg: HCConfig, index: int, *, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
-        name = f"layers.{index}"
+        name, tp = f"layers.{index}", dict(tp_rank=tp_rank, tp_size=tp_size, group=group)
         self.ple = PLELayer(cfg, name=f"{name}.ple") if cfg.ple_layer == index else None
         self.attn_hc = self.hc_class(cfg, name=f"{name}.attn_hc")
-        self.attn = Attention(cfg, name=f"{name}.attn", tp_rank=tp_rank, tp_size=tp_size)
+        self.attn = Attention(cfg, name=f"{name}.attn", **tp)
         self.mlp_hc = self.hc_class(cfg, name=f"{name}.mlp_hc")
-        self.mlp = MLP(cfg, name=f"{name}.mlp", tp_rank=tp_rank, tp_size=tp_size)
+        self.mlp = MLP(cfg, name=f"{name}.mlp", **tp)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """Streams ``[T, n*S] -> [T, n*S]``."""
@@ -267,22 +288,28 @@ class HCDecoderLayer(nn.Module):
 class HCDecoder(nn.Module):
     """The whole model: ``input_ids [T] -> logits [T, vocab]`` (and optionally the HC state).
 
-    TP rank and size come from the default process group unless given. Weights depend only on ``cfg``
+    TP rank and size come from ``group`` (the TP group; default: the default process group) unless given, and the
+    sub-layers all-reduce over it (a DP x TP job passes its TP group). Weights depend only on ``cfg``
     (and the rank's slice), so every TP size computes the same function. Another HC family reuses the
     rest of the model by overriding ``layer_class`` and ``make_final_mixer``.
     """
 
     layer_class: type[nn.Module] = HCDecoderLayer
 
-    def __init__(self, cfg: HCConfig, tp_rank: int | None = None, tp_size: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: HCConfig,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size, group)
         cfg.check_tp(self.tp_size)
         self.embed = replicated_parameter(cfg.seed, "embed", (cfg.vocab_size, cfg.hidden), 1.0, cfg.dtype)
-        self.layers = nn.ModuleList(
-            self.layer_class(cfg, i, tp_rank=self.tp_rank, tp_size=self.tp_size) for i in range(cfg.n_layers)
-        )
+        tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size, group=group)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, **tp) for i in range(cfg.n_layers))
         self.final_mixer = self.make_final_mixer(cfg)
         self.final_norm_weight = replicated_parameter(
             cfg.seed, "final_norm_weight", (cfg.hidden,), NORM_WEIGHT_STD, cfg.dtype

@@ -17,6 +17,7 @@ same names when no target is given).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -30,7 +31,8 @@ class MTPDrafter(nn.Module):
     """``forward(state, next_ids) -> (logits [T, vocab], streams [T, n*S])``; ``step`` does it with a KV cache.
 
     ``target``: the model whose embedding table and lm_head are shared (the same tensors). Without it the
-    drafter seeds both from the target's parameter names, which gives equal values.
+    drafter seeds both from the target's parameter names, which gives equal values. ``group``: the TP group, as
+    for :class:`HCDecoder`.
     """
 
     def __init__(
@@ -40,10 +42,11 @@ class MTPDrafter(nn.Module):
         tp_size: int | None = None,
         *,
         target: HCDecoder | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size, group)
         cfg.check_tp(self.tp_size)
         seed, dtype, hidden = cfg.seed, cfg.dtype, cfg.hidden
         if target is not None:
@@ -57,7 +60,7 @@ class MTPDrafter(nn.Module):
         self.embed_proj = replicated_parameter(seed, "mtp.embed_proj", (hidden, hidden), hidden**-0.5, dtype)
         # Index n_layers names it "layers.{n_layers}": its own seeds, after the target's layers (DeepSeek's
         # MTP naming), and never a PLE layer (ple_layer < n_layers).
-        self.layer = HCDecoderLayer(cfg, cfg.n_layers, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        self.layer = HCDecoderLayer(cfg, cfg.n_layers, tp_rank=self.tp_rank, tp_size=self.tp_size, group=group)
         self.final_mixer = FinalMixer(cfg, name="mtp.final_mixer")
         self.final_norm_weight = replicated_parameter(seed, "mtp.final_norm_weight", (hidden,), NORM_WEIGHT_STD, dtype)
 

@@ -69,7 +69,10 @@ def column_parallel_weight(
 
 
 class _ParallelLinear(nn.Module):
-    """A frozen linear layer holding this rank's shard (``_local_weight``) of the weights seeded by ``(seed, name)``."""
+    """A frozen linear layer holding this rank's shard (``_local_weight``) of the weights seeded by ``(seed, name)``.
+
+    Rank and size are ``group``'s (default: the default process group) unless given.
+    """
 
     def __init__(
         self,
@@ -81,9 +84,11 @@ class _ParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size, group)
+        self.group = group  # the TP group; None: the default one
         weight = self._local_weight(in_features, out_features, seed=seed, name=name, dtype=dtype)
         self.weight = nn.Parameter(weight, requires_grad=False)
 
@@ -114,7 +119,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    """``y = all_reduce(x_r @ W_r^T)`` with the input features sharded across ranks (``out_features``: an int)."""
+    """``y = all_reduce(x_r @ W_r^T)`` over the TP group, with the input features sharded across its ranks
+    (``out_features``: an int)."""
 
     def _local_weight(
         self, in_features: int, out_features: int | Sequence[int], *, seed: int, name: str, dtype: torch.dtype
@@ -124,8 +130,8 @@ class RowParallelLinear(_ParallelLinear):
         return take_shard(full, 1, self.tp_rank, self.tp_size).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Full output ``[T, out_features]``, summed over ranks in place when tp > 1."""
+        """Full output ``[T, out_features]``, summed over the TP group's ranks in place when tp > 1."""
         y = F.linear(x, self.weight)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.group)
         return y
