@@ -10,7 +10,9 @@ capture checks against each placeholder's ``meta["val"]``.
 
 Tensor-parallel models run under the ``fake`` process group (one process plays one rank, collectives do
 nothing), so one graph per rank can be captured in one process and fed to
-:func:`tests.harness.simulator.simulate`.
+:func:`tests.harness.simulator.simulate`. A :class:`GroupLayout` makes the TP group a subset of a larger world
+(DP x TP): the virtual ranks play the members of one TP group, each its global rank in the world, and the model
+is built with that group (``build_fn(rank, tp, group=...)``).
 
 Internal torch APIs used (each pinned by a test in ``tests/test_harness.py``):
 - ``torch.testing._internal.distributed.fake_pg.FakeStore`` (importing the module also registers the
@@ -42,6 +44,7 @@ from .simulator import simulate, simulate_compiled
 __all__ = [
     "CaptureError",
     "CapturedGraph",
+    "GroupLayout",
     "RankDependentTrace",
     "RecordingPass",
     "capture_post_grad",
@@ -51,6 +54,7 @@ __all__ = [
     "compile_without_codegen",
     "copy_graph",
     "fake_process_group",
+    "fake_tp_group",
     "passes_run_every_compile",
     "simulate_captured",
 ]
@@ -279,6 +283,55 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class GroupLayout:
+    """A world of ``world`` ranks split into TP groups (``groups``: global ranks, each group sorted, made in this
+    order with ``dist.new_group`` by every rank, as a DP x TP job does); a capture's virtual ranks play the
+    members of ``groups[played]``: virtual rank r is global rank ``groups[played][r]``, rank r of that group."""
+
+    world: int
+    groups: tuple[tuple[int, ...], ...]
+    played: int = 0
+
+    @classmethod
+    def strided(cls, dp: int, tp: int, played: int = 0) -> GroupLayout:
+        """``dp`` TP groups of ``tp`` ranks, group d holding global ranks d, d + dp, d + 2*dp, ... (DP inner)."""
+        return cls(dp * tp, tuple(tuple(range(d, dp * tp, dp)) for d in range(dp)), played)
+
+    @property
+    def tp(self) -> int:
+        return len(self.groups[self.played])
+
+    def global_rank(self, tp_rank: int) -> int:
+        return self.groups[self.played][tp_rank]
+
+
+@contextlib.contextmanager
+def fake_tp_group(tp_rank: int, tp: int, layout: GroupLayout | None = None) -> Iterator[dist.ProcessGroup | None]:
+    """A ``fake`` world in which this process is rank ``tp_rank`` of its TP group of size ``tp``; yields that group.
+
+    Without a layout the TP group is the default group (yields None, as models take it). With one, the world is
+    ``layout.world`` ranks, this process global rank ``layout.global_rank(tp_rank)``, every group of the layout is
+    made, and the played one is yielded.
+    """
+    if layout is None:
+        with fake_process_group(tp_rank, tp):
+            yield None
+        return
+    if layout.tp != tp:
+        raise CaptureError(f"the layout's played group has {layout.tp} ranks, not tp = {tp}")
+    with fake_process_group(layout.global_rank(tp_rank), layout.world):
+        made = [dist.new_group(list(ranks)) for ranks in layout.groups]
+        yield made[layout.played]
+
+
+def build_model(
+    build_fn: Callable[..., Callable[..., Any]], rank: int, tp: int, group: dist.ProcessGroup | None
+) -> Callable[..., Any]:
+    """``build_fn(rank, tp)``, or ``build_fn(rank, tp, group=group)`` for a TP group other than the default one."""
+    return build_fn(rank, tp) if group is None else build_fn(rank, tp, group=group)
+
+
 @contextlib.contextmanager
 def _group_for(rank: int, tp: int, wanted: bool) -> Iterator[None]:
     """A fake group for ``rank`` of ``tp`` when wanted, reusing a matching default group if one exists."""
@@ -351,27 +404,30 @@ def _results(entries: Sequence[_Compiled], rank: int, tp: int) -> list[CapturedG
 
 
 def capture_ranks(
-    build_fn: Callable[[int, int], Callable[..., Any]],
+    build_fn: Callable[..., Callable[..., Any]],
     args_fn: Callable[[int, int], Sequence[Any]],
     tp: int,
     *,
     extra_args_fn: Callable[[int, int], Sequence[Sequence[Any]]] | None = None,
+    layout: GroupLayout | None = None,
     **capture_kwargs: Any,
 ) -> list[list[CapturedGraph]]:
     """Capture the post-grad graphs of every rank: ``result[rank][i]`` is rank's i-th graph.
 
-    For each rank, under a ``fake`` group of size ``tp`` (also for tp=1), builds the model with
-    ``build_fn(rank, tp)`` (TP models read their rank at construction), gets its arguments from
+    For each rank, under a ``fake`` group of size ``tp`` (also for tp=1; with ``layout``, as that rank of the
+    layout's played TP group), builds the model with ``build_fn(rank, tp)`` (``build_fn(rank, tp, group=...)``
+    with a layout; TP models read their rank at construction), gets its arguments from
     ``args_fn(rank, tp)`` (and further calls from ``extra_args_fn``), and calls
     :func:`capture_post_grad` with ``capture_kwargs``. All ranks must produce the same number of graphs.
     """
     per_rank = []
     for rank in range(tp):
-        with fake_process_group(rank, tp):
-            model = build_fn(rank, tp)
+        with fake_tp_group(rank, tp, layout) as group:
+            model = build_model(build_fn, rank, tp, group)
             args = args_fn(rank, tp)
             extra = extra_args_fn(rank, tp) if extra_args_fn is not None else ()
-            graphs = capture_post_grad(model, args, tp=tp, rank=rank, extra_args=extra, **capture_kwargs)
+            kwargs = capture_kwargs if layout is None else {**capture_kwargs, "fake_pg": False}  # the world is made
+            graphs = capture_post_grad(model, args, tp=tp, rank=rank, extra_args=extra, **kwargs)
             per_rank.append(graphs)
     counts = [len(graphs) for graphs in per_rank]
     if len(set(counts)) != 1:
@@ -380,13 +436,14 @@ def capture_ranks(
 
 
 def capture_ranks_from_one_trace(
-    build_fn: Callable[[int, int], Callable[..., Any]],
+    build_fn: Callable[..., Callable[..., Any]],
     args_fn: Callable[[int, int], Sequence[Any]],
     tp: int,
     rewrite: Callable[[torch.fx.Graph], None],
     *,
     dynamic: bool | None = False,
     config_patches: dict[str, Any] | None = None,
+    layout: GroupLayout | None = None,
 ) -> list[list[CapturedGraph]]:
     """Like :func:`capture_ranks` with ``codegen=False`` and ``rewrite`` as the post-grad pre pass, but
     Dynamo and AOTAutograd trace rank 0's model only: every rank's graph is that post-grad graph, copied and
@@ -398,18 +455,19 @@ def capture_ranks_from_one_trace(
     whose guards accept it only if the trace holds for it. (A
     forward that asks the default group for its rank at call time would see rank 0: such a model must be
     captured per rank.) Raises :class:`RankDependentTrace` before any ``rewrite`` ran when the guards refuse a
-    rank. ``tests/test_harness.py`` pins that both captures give the same graphs.
+    rank. ``tests/test_harness.py`` pins that both captures give the same graphs. ``layout``: as for
+    :func:`capture_ranks`.
     """
     models, arguments = [], []
     for rank in range(tp):
-        with fake_process_group(rank, tp):
-            models.append(build_fn(rank, tp))
+        with fake_tp_group(rank, tp, layout) as group:
+            models.append(build_model(build_fn, rank, tp, group))
             arguments.append(list(args_fn(rank, tp)))
     patches = dict(config_patches or {})
     if "post_grad_custom_pre_pass" in patches:
         raise CaptureError("capture_ranks_from_one_trace runs `rewrite` itself; pass no post_grad_custom_pre_pass")
     backend = _CapturingBackend(patches, codegen=False)
-    with fake_process_group(0, tp):
+    with fake_tp_group(0, tp, layout):
         torch.compiler.reset()
         try:
             compiled = torch.compile(_call_model, backend=backend, dynamic=dynamic)
@@ -425,7 +483,7 @@ def capture_ranks_from_one_trace(
                         )
         finally:
             torch.compiler.reset()
-    return [[_rewritten(entry, rank, tp, rewrite) for entry in backend.compiled] for rank in range(tp)]
+    return [[_rewritten(entry, rank, tp, rewrite, layout) for entry in backend.compiled] for rank in range(tp)]
 
 
 def _call_model(model: Callable[..., Any], *args: Any) -> Any:
@@ -433,7 +491,9 @@ def _call_model(model: Callable[..., Any], *args: Any) -> Any:
     return model(*args)
 
 
-def _rewritten(entry: _Compiled, rank: int, tp: int, rewrite: Callable[[torch.fx.Graph], None]) -> CapturedGraph:
+def _rewritten(
+    entry: _Compiled, rank: int, tp: int, rewrite: Callable[[torch.fx.Graph], None], layout: GroupLayout | None
+) -> CapturedGraph:
     """Rank ``rank``'s copy of one recorded graph after ``rewrite``, with the rank's recorded call."""
     if len(entry.graphs) != 1 or len(entry.calls) != tp:
         raise CaptureError(
@@ -446,7 +506,7 @@ def _rewritten(entry: _Compiled, rank: int, tp: int, rewrite: Callable[[torch.fx
     # replacements trace in it) and the Python dispatcher on (the meta kernels of some ops, e.g. a pad of
     # symbolic size, are Python decompositions).
     with (
-        fake_process_group(rank, tp),
+        fake_tp_group(rank, tp, layout),
         tracing(entry.contexts[0]),
         V.set_fake_mode(fake_mode),
         enable_python_dispatcher(),

@@ -100,7 +100,8 @@ def capture_with_passes(
 
     ``one_trace`` traces rank 0 only and runs the passes on a copy of its graph for every rank
     (:func:`capture_ranks_from_one_trace`; no codegen), or captures per rank where Dynamo finds that rank 0's
-    trace does not hold for another rank.
+    trace does not hold for another rank. A ``layout`` keyword (``capture.GroupLayout``) plays one TP group of a
+    larger world.
     """
     recapture_passes_off = functools.partial(
         capture_with_passes, build_fn, args_fn, tp, every_pass_off(config), one_trace=one_trace, **capture_kwargs
@@ -253,6 +254,12 @@ def _worst(got: torch.Tensor, want: torch.Tensor) -> str:
         return f"{int((got != want).sum())} elements differ"
     diff = (got.double() - want.double()).abs()
     return f"max |diff| {float(diff.max()):.3g} at {tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])}"
+
+
+def collective_groups(gm: torch.fx.GraphModule) -> set[Any]:
+    """The group arguments of the graph's all-reduces, reduce-scatters and all-gathers."""
+    ops = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default)
+    return {node.args[-1] for node in gm.graph.nodes if node.target in ops}
 
 
 def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:

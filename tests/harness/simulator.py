@@ -15,7 +15,8 @@ group), checked for agreement, and computed once for all ranks:
 - an op of a collective namespace that the simulator does not know raises ``NotImplementedError``.
 
 All collectives are assumed to run on one group spanning the ``tp`` virtual ranks (the group name is
-not resolved).
+not resolved): with a TP group inside a larger world (``capture.GroupLayout``) the virtual ranks are that
+group's members, and tests check the group names the graphs carry.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -206,7 +207,9 @@ class _RegionBuilder:
     def _reach(self, collapses: list[FoundCollapse], live: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> set[fx.Node]:
         """Every node reachable from the ``live`` values (the start, the reduces' waits) without passing through a
         collapse output (the sub-layer starts there) or a collective, that leads to one of the ``collapses`` or
-        ``sinks``."""
+        ``sinks``, and the items of its multi-output nodes (a split's other part, such as the inject logits of a
+        block whose combine is past the region's end, is read outside through its getitem: that item is the value
+        gathered for it, never the list)."""
         stops = {out for c in collapses for out in c.outputs}
         live = set(live)
         reached: set[fx.Node] = set()
@@ -216,7 +219,15 @@ class _RegionBuilder:
             if any((arg in reached or arg in live) and arg not in stops for arg in node.all_input_nodes):
                 reached.add(node)
         wanted = ancestors([*(c.root for c in collapses), *sinks]) | stops
-        return {node for node in reached if node in wanted}
+        nodes = {node for node in reached if node in wanted}
+        items = {
+            user
+            for node in nodes
+            if not isinstance(value_of(node), torch.Tensor)
+            for user in node.users
+            if user.target is operator.getitem and user in reached
+        }
+        return nodes | items
 
     def _check(self, node: fx.Node, sharded: set[fx.Node], entries: list[Entry]) -> NotShardable | None:
         verdict = self.rules.check_rows(node) or self.rules.check_op(node)
