@@ -1,22 +1,54 @@
-"""The fusion on quant spellings written independently (``tests/corpus/quants.py``) after the gated mean of an
-independently written HC model (``tests/corpus/gated_residual.py``): every spelling fuses every HC block's
-quant in fp32 and bf16, the canonical-forms pass says which spellings it rewrote, and the compiled model
-matches eager. (The fused op's numerics against the unfused graph: tests/test_gated_mean_quant.py.)"""
+"""The fusion on the spelling corpus (``tests/corpus``): quants written independently (``quants.CORPUS``) after the
+gated mean of an independently written HC model (``gated_residual.UserHC``), and collapses written independently
+(``collapses.GATED_MEANS`` / ``collapses.WEIGHTED_SUMS``) before the reference quant.
+
+Every quant labelled identical (``quants.IDENTICAL``, checked by tests/test_corpus_classification.py) fuses every
+HC block's quant in fp32 and bf16; every near miss (``quants.NEAR_MISSES``) is left unfused and the report says it
+is a near miss of the per-token quant. Every collapse spelling fuses with the quant behind it. In each case the
+compiled model matches eager. Spellings today's passes do not take yet are strict xfails (``NEEDS_EVALUATION``):
+when matching by evaluation (#26 items 1/2) takes them, the xfail turns into a failure and its mark must go.
+(The fused op's numerics against the unfused graph: tests/test_gated_mean_quant.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from corpus.collapses import GATED_MEANS, WEIGHTED_SUMS, GatedMeanHC, WeightedSumMHC
 from corpus.gated_residual import UserHC
-from corpus.quants import QUANTS
+from corpus.quants import CORPUS, IDENTICAL, NEAR_MISSES, QUANTS
 from harness import passes_run_every_compile
-from harness.reference import fused_op_count
+from harness.reference import assert_near_eager, fused_op_count
 
 import hcpasses
+from hcpasses.report import GraphReport
 
 LAYERS = 1
-REWRITTEN = {"reference": 0, "method_chain": 0, "max_values": 2 * LAYERS}  # canonical_forms rewrites per graph
+DTYPES = [torch.float32, torch.bfloat16]
+# canonical_forms rewrites per graph, for the pattern-era spellings (QUANTS); amax before the upcast is already
+# canonical in fp32 (the upcast is a no-op there)
+REWRITTEN = {"reference": 0, "method_chain": 0, "max_values": 2 * LAYERS}
+# The spellings today's passes leave unfused (in fp32 and bf16) that matching by evaluation must take: no gated
+# mean here is found as a collapse; the bmm of a broadcasting ``@`` / ``bmm`` is rewritten to a gated sum, but its
+# output keeps the ``[T, 1, S]`` of the GEMM up to the squeeze, and the quant after the squeeze is judged against
+# that shape (a near miss by shape, not by value).
+NEEDS_EVALUATION = {*GATED_MEANS, "matmul_operator", "bmm_squeeze"}
+XFAIL = pytest.mark.xfail(strict=True, reason="needs matching by evaluation (#26 item 1/2)")
+# Representatives of each family run in the quick run (the issue's three misses among them); the rest, ~2-5 s a
+# compile each, are left to the thorough one.
+QUICK = {"vllm_upcast_first", "maximum_floor", "vllm_native_reciprocal", "einsum", "fp32_einsum"}
+
+
+def cases(names: list[str]) -> list:
+    """``(name, dtype)`` params, NEEDS_EVALUATION's marked xfail, all but QUICK's marked thorough."""
+    params = []
+    for name in names:
+        for dtype in DTYPES:
+            marks = [XFAIL] if name in NEEDS_EVALUATION else []
+            if name not in QUICK:
+                marks.append(pytest.mark.thorough)
+            params.append(pytest.param(name, dtype, marks=marks, id=f"{name}-{dtype}"))
+    return params
 
 
 class QuantisedUserHC(UserHC):
@@ -24,7 +56,7 @@ class QuantisedUserHC(UserHC):
 
     def __init__(self, quant: str, dtype: torch.dtype) -> None:
         super().__init__("rsqrt", LAYERS, None, dtype)
-        self.quant = QUANTS[quant]
+        self.quant = CORPUS[quant]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed[ids].repeat(1, self.n)
@@ -46,16 +78,7 @@ def compiled_graph_and_output(model: torch.nn.Module, ids: torch.Tensor, **flags
     return be.reports[0], graphs[0], out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("quant", list(QUANTS))
-def test_every_quant_spelling_fuses_every_block(quant: str, dtype: torch.dtype) -> None:
-    model = QuantisedUserHC(quant, dtype)
-    ids = torch.randint(0, 64, (11,), generator=torch.Generator().manual_seed(7))
-    report, graph, out = compiled_graph_and_output(model, ids)
-    assert report.applied["gated_mean_quant"] == 2 * LAYERS == fused_op_count(graph), report
-    # amax before the upcast is already canonical in fp32 (the upcast is a no-op there)
-    rewritten = REWRITTEN.get(quant, 2 * LAYERS if dtype != torch.float32 else 0)
-    assert report.applied["canonical_forms"] == rewritten, report
+def assert_matches_eager(model: torch.nn.Module, ids: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> None:
     with torch.no_grad():
         expected = model(ids)
     # The fused op quantises x as the spelled-out quant does (DESIGN §5); bf16 eager rounds the stream sum
@@ -64,12 +87,61 @@ def test_every_quant_spelling_fuses_every_block(quant: str, dtype: torch.dtype) 
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
-def test_without_canonical_forms_a_respelled_quant_fuses_by_evaluation() -> None:
-    """``torch.max(...).values`` fuses by the traced pattern once canonical forms has rewritten it; with that pass
-    off, the fusion finds the same quant by evaluation (it computes the contract's values) and says so."""
+def token_ids() -> torch.Tensor:
+    return torch.randint(0, 64, (11,), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize(("quant", "dtype"), cases(sorted(IDENTICAL)))
+def test_every_identical_quant_spelling_fuses_every_block(quant: str, dtype: torch.dtype) -> None:
+    model, ids = QuantisedUserHC(quant, dtype), token_ids()
+    report, graph, out = compiled_graph_and_output(model, ids)
+    assert report.applied["gated_mean_quant"] == 2 * LAYERS == fused_op_count(graph), report
+    if quant in QUANTS:
+        rewritten = REWRITTEN.get(quant, 2 * LAYERS if dtype != torch.float32 else 0)
+        assert report.applied["canonical_forms"] == rewritten, report
+    assert_matches_eager(model, ids, out, dtype)
+
+
+@pytest.mark.parametrize(("quant", "dtype"), cases(sorted(NEAR_MISSES)))
+def test_every_near_miss_is_left_unfused_and_named(quant: str, dtype: torch.dtype) -> None:
+    model, ids = QuantisedUserHC(quant, dtype), token_ids()
+    report, graph, out = compiled_graph_and_output(model, ids)
+    assert report.applied["gated_mean_quant"] == 0 == fused_op_count(graph), report
+    reason = report.record("gated_mean_quant").reason
+    assert reason.count("near miss of the per-token quant") == 2 * LAYERS, reason  # each block's, by its probe
+    assert_matches_eager(model, ids, out, dtype)
+
+
+def assert_collapses_fused(report: GraphReport, graph: torch.fx.GraphModule) -> None:
+    fusion = report.record("gated_mean_quant")
+    assert fusion.notes[0] == f"HC stream collapses found: {2 * LAYERS + 1}", fusion.notes  # + the final mixer
+    assert fusion.applied == 2 * LAYERS == fused_op_count(graph), report
+
+
+@pytest.mark.parametrize(("collapse", "dtype"), cases(list(GATED_MEANS)))
+def test_every_gated_mean_spelling_fuses_with_its_quant(collapse: str, dtype: torch.dtype) -> None:
+    model, ids = GatedMeanHC(collapse, "reference", LAYERS, dtype), token_ids()
+    report, graph, out = compiled_graph_and_output(model, ids)
+    assert_collapses_fused(report, graph)
+    assert_matches_eager(model, ids, out, dtype)
+
+
+@pytest.mark.parametrize(("collapse", "dtype"), cases(list(WEIGHTED_SUMS)))
+def test_every_weighted_sum_spelling_fuses_with_its_quant(collapse: str, dtype: torch.dtype) -> None:
+    model, ids = WeightedSumMHC(collapse, "reference", 2 * LAYERS, dtype), token_ids()
+    report, graph, out = compiled_graph_and_output(model, ids)
+    assert_collapses_fused(report, graph)
+    with torch.no_grad():
+        expected = model(ids)
+    # mHC in bf16: eager rounds the mixing and the Sinkhorn weights where the graph may not, which flips FP8
+    # codes with or without the fusion (see assert_near_eager)
+    assert_near_eager(out, expected, dtype, fp8=True)
+
+
+def test_without_canonical_forms_a_respelled_quant_is_fused_by_evaluation() -> None:
+    """With the canonical-forms pass off, ``torch.max(...).values`` matches no pattern, and the fusion still takes
+    every block's quant: by evaluation, as any spelling with the contract's values."""
     model = QuantisedUserHC("max_values", torch.float32)
-    ids = torch.randint(0, 64, (11,), generator=torch.Generator().manual_seed(7))
-    report, graph, _ = compiled_graph_and_output(model, ids, canonical_forms=False)
+    report, graph, _ = compiled_graph_and_output(model, token_ids(), canonical_forms=False)
     assert report.record("canonical_forms").status == "disabled"
-    assert report.applied["gated_mean_quant"] == 2 * LAYERS == fused_op_count(graph)
-    assert f"of them matched by evaluation (7 probes): {2 * LAYERS}" in report.record("gated_mean_quant").notes
+    assert report.applied["gated_mean_quant"] == 2 * LAYERS == fused_op_count(graph), report
