@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from harness import GroupLayout, fake_process_group, fake_tp_group, simulate
+from harness import GroupLayout, fake_process_group, fake_tp_group, simulate, tp_group_name
 from harness.reference import assert_same_as_sp_off, capture_with_passes, collective_groups
 from harness.tally import CheckedGraphs
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -40,12 +40,6 @@ def token_ids(tokens: int, seed: int) -> torch.Tensor:
 def eager(ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return HCDecoder(CFG, tp_rank=0, tp_size=1)(ids)
-
-
-def group_name(layout: GroupLayout) -> str:
-    """The name the played TP group gets in the layout's world (names follow the order groups are made in)."""
-    with fake_tp_group(0, layout.tp, layout) as group:
-        return group.group_name
 
 
 def test_internal_group_apis_pinned() -> None:
@@ -93,8 +87,8 @@ def test_region_shards_over_the_tp_group_of_a_larger_world(layout: GroupLayout, 
     ids = token_ids(13, seed=1)
     args = lambda rank, tp: (ids,)  # noqa: E731
     graphs = capture_with_passes(build_decoder, args, layout.tp, SP_ON, one_trace=True, layout=layout)
-    name = group_name(layout)
-    assert name != "0"  # not the default group's
+    name = tp_group_name(layout.tp, layout)
+    assert name != tp_group_name(layout.tp)  # not the default group's
     for rank, (gm, report) in enumerate(zip(graphs.graphs, graphs.reports, strict=True)):
         sp = report.record("sp_rewrite")
         assert sp.status == "applied" and sp.applied == 2 * CFG.n_layers + 1, sp
@@ -163,7 +157,7 @@ def test_all_reduces_over_a_group_of_size_one_are_left_alone(monkeypatch: pytest
     sp = graphs.report.record("sp_rewrite")
     assert sp.status == "unchanged", sp
     assert sp.reason == "every all-reduce sums over a group of size 1 (tp = 1): nothing to shard"
-    name = group_name(layout)
+    name = tp_group_name(1, layout)
     assert any(f"over group '{name}' (rank 0 of 1)" in note for note in sp.notes), sp.notes
     assert collective_groups(graphs.graphs[0]) == {name}
 

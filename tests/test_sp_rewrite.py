@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from harness import simulate, simulate_compiled
+from harness import GroupLayout, simulate, simulate_compiled, tp_group_name
 from harness.reference import (
     RankGraphs,
     assert_same_as_sp_off,
     capture_with_passes,
     collective_counts,
+    collective_groups,
     fused_op_count,
 )
 from harness.tally import CheckedGraphs
@@ -34,10 +35,16 @@ class Case:
     dtype: torch.dtype
     fp8: bool
     dynamic: bool
+    group: str = "world"  # the TP group: world (the default group) / dp2 (one of 2 TP groups of a world of 2*tp)
 
     @property
     def ple_layer(self) -> int | None:
         return {"none": None, "first": 0, "middle": self.layers // 2, "last": self.layers - 1}[self.ple]
+
+    def layout(self) -> GroupLayout | None:
+        """dp2: the second of two strided TP groups (global ranks 1, 3, ...: neither the default group nor its
+        ranks)."""
+        return GroupLayout.strided(dp=2, tp=self.tp, played=1) if self.group == "dp2" else None
 
     def config(self) -> HCConfig:
         # 12 heads and 12 kv heads, intermediate 96: divisible by every tp drawn (1..4)
@@ -56,9 +63,9 @@ class Case:
 class HCStateModel(torch.nn.Module):
     """The decoder, returning (logits, HC state) when ``mtp``: the MTP exit."""
 
-    def __init__(self, cfg: HCConfig, mtp: bool) -> None:
+    def __init__(self, cfg: HCConfig, mtp: bool, group: torch.distributed.ProcessGroup | None = None) -> None:
         super().__init__()
-        self.decoder, self.mtp = HCDecoder(cfg), mtp
+        self.decoder, self.mtp = HCDecoder(cfg, group=group), mtp
 
     def forward(self, ids: torch.Tensor) -> Any:
         return self.decoder(ids, return_hc_state=self.mtp)
@@ -68,12 +75,13 @@ def capture(case: Case, tokens: int, dynamic: bool) -> RankGraphs:
     """Each rank's post-grad graph after the passes (captured without codegen)."""
     ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
     return capture_with_passes(
-        lambda rank, tp: HCStateModel(case.config(), case.mtp),
+        lambda rank, tp, group=None: HCStateModel(case.config(), case.mtp, group),
         lambda rank, tp: (ids,),
         case.tp,
         HCPassesConfig(sp_min_tokens=1),
         dynamic=dynamic,
         one_trace=True,
+        layout=case.layout(),
     )
 
 
@@ -130,6 +138,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "dtype": (torch.float32, torch.bfloat16),
     "fp8": (False, True),
     "dynamic": (False, True),
+    "group": ("world", "dp2"),
 }
 FULL_GRID = ("tp", "dynamic", "fp8")  # every combination of these occurs (for tp > 1)
 
@@ -234,6 +243,12 @@ def check_sharded_graph(data: st.DataObject, case: Case, seed: int) -> RankGraph
     assert (sp.status == "applied") == (case.tp > 1)
     assert sp.applied == (0 if case.tp == 1 else 2 * case.layers + 1)
     assert sp.facts.get("cuts", 0) == (1 if case.tp > 1 and case.ple_layer else 0), sp.notes
+    if case.tp > 1:  # every collective is over the TP group, and each rank shards as its rank in it
+        assert collective_groups(sharded.graphs[0]) == {tp_group_name(case.tp, case.layout())}
+        per_rank = len(sharded.reports) // case.tp
+        for rank in range(case.tp):
+            notes = sharded.reports[rank * per_rank].record("sp_rewrite").notes
+            assert f"(rank {rank} of {case.tp})" in "".join(notes), notes
     return sharded
 
 

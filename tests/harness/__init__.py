@@ -13,6 +13,7 @@ from .capture import (
     fake_tp_group,
     passes_run_every_compile,
     simulate_captured,
+    tp_group_name,
 )
 from .simulator import CollectiveMismatchError, CollectiveTimeoutError, simulate, simulate_compiled
 
@@ -33,4 +34,5 @@ __all__ = [
     "simulate",
     "simulate_captured",
     "simulate_compiled",
+    "tp_group_name",
 ]

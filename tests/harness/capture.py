@@ -57,6 +57,7 @@ __all__ = [
     "fake_tp_group",
     "passes_run_every_compile",
     "simulate_captured",
+    "tp_group_name",
 ]
 
 # Bypass the FX graph cache (and with it AOTAutograd's cache, which requires it) so that the recording
@@ -323,6 +324,13 @@ def fake_tp_group(tp_rank: int, tp: int, layout: GroupLayout | None = None) -> I
     with fake_process_group(layout.global_rank(tp_rank), layout.world):
         made = [dist.new_group(list(ranks)) for ranks in layout.groups]
         yield made[layout.played]
+
+
+def tp_group_name(tp: int, layout: GroupLayout | None = None) -> str:
+    """The name the TP group gets in the fake world of ``layout`` (the default group's without one): names follow
+    the order groups are made in, the same in every rank's world."""
+    with fake_tp_group(0, tp, layout) as group:
+        return (dist.group.WORLD if group is None else group).group_name
 
 
 def build_model(
