@@ -188,3 +188,26 @@ def test_dp2_tp2_over_gloo_each_group_matches_its_own_eager_model() -> None:
         torch.testing.assert_close(result["logits"], references[replica], rtol=1e-4, atol=1e-4)
         # the other replica's tokens give other logits: a group that mixed in the other group's rows would fail here
         assert not torch.allclose(result["logits"], references[1 - replica], atol=1e-2)
+
+
+def test_shard_for_tp_shards_over_the_given_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Global rank 3 of 4 in TP group {2, 3}: rank 1 of 2's slices, and the sub-layer sums run over that group."""
+    pytest.importorskip("transformers")
+    from hcpasses.hf import shard_for_tp
+    from hcpasses.testing.hf_models import tiny_qwen4_exp
+
+    with fake_tp_group(1, 2, GroupLayout(4, ((0, 1), (2, 3)), played=1)) as group:
+        sharded = shard_for_tp(tiny_qwen4_exp(seed=1), group=group)
+        expected = shard_for_tp(tiny_qwen4_exp(seed=1), tp_rank=1, tp_size=2)
+        for (name, got), (_, want) in zip(sharded.state_dict().items(), expected.state_dict().items(), strict=True):
+            assert torch.equal(got, want), name
+        summed_over = []
+
+        def recording_all_reduce(x: torch.Tensor, op: str, over: Any) -> torch.Tensor:
+            summed_over.append(over)
+            return x
+
+        monkeypatch.setattr("hcpasses.hf.tp_shard.funcol.all_reduce", recording_all_reduce)
+        with torch.no_grad():
+            sharded(torch.randint(0, 64, (1, 5)))
+        assert summed_over and all(over is group for over in summed_over)
