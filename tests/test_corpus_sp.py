@@ -1,16 +1,24 @@
-"""SP on HC models written independently of ``models/`` (``tests/corpus``): every grouped-norm spelling shards
-every HC block at tp 2 on the simulator; a causal conv over tokens in a later layer cuts the region there and
-the blocks on both sides stay sharded; outputs equal the SP-off graph
+"""SP on HC models written independently of ``models/`` (``tests/corpus``): every grouped-norm spelling and every
+collapse spelling of ``corpus.collapses`` shards every HC block at tp 2 on the simulator (strict xfail for the
+collapses today's passes do not find, until matching by evaluation does, #26 item 2); a causal conv over tokens
+in a later layer cuts the region there and the blocks on both sides stay sharded; outputs equal the SP-off graph
 (exact but for last-bit roundings, which move at most one token row) and eager."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from corpus.collapses import GATED_MEANS, WEIGHTED_SUMS, GatedMeanHC, WeightedSumMHC
 from corpus.delta_rule import DeltaRuleHC
 from corpus.gated_residual import NORMS, UserHC
 from harness import simulate
-from harness.reference import assert_same_as_sp_off, capture_with_passes, collective_counts
+from harness.reference import (
+    RankGraphs,
+    assert_ranks_near_eager,
+    assert_same_as_sp_off,
+    capture_with_passes,
+    collective_counts,
+)
 
 from hcpasses.config import HCPassesConfig
 
@@ -51,6 +59,70 @@ def test_every_norm_spelling_shards_every_block(
         torch.testing.assert_close(rank_outputs[0].float(), expected.float(), rtol=tol, atol=tol)
 
 
+# Collapse spellings SP does not find as HC blocks today: none of the gated means; of the weighted sums, the
+# broadcasting ``@`` over [batch, seq] tokens, whose bmm canonical_forms rewrites to a gated sum with three leading
+# dims ([b, s, 1]: left out as a look-alike).
+NOT_FOUND_TODAY = {*GATED_MEANS, "matmul_operator"}
+XFAIL = pytest.mark.xfail(strict=True, reason="needs matching by evaluation (#26 item 1/2)")
+# One representative of each family in the quick run; the rest (~5-10 s a capture at tp 2) in the thorough one.
+QUICK = {"einsum", "fp32_einsum"}
+
+
+def collapse_cases(names: list[str]) -> list:
+    params = []
+    for name in names:
+        for dtype in (torch.float32, torch.bfloat16):
+            marks = [XFAIL] if name in NOT_FOUND_TODAY else []
+            if name not in QUICK or dtype != torch.float32:
+                marks.append(pytest.mark.thorough)
+            params.append(pytest.param(name, dtype, marks=marks, id=f"{name}-{dtype}"))
+    return params
+
+
+def assert_every_block_sharded(sharded: RankGraphs, blocks: int, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """SP shards ``blocks`` HC blocks and the final collapse, gathers each sub-layer input and the final x, and
+    matches the SP-off graph and eager."""
+    sp = sharded.report.record("sp_rewrite")
+    assert sp.status == "applied" and sp.applied == blocks + 1 and not sp.facts.get("cuts"), sp.notes
+    want = {"all_reduce": 0, "reduce_scatter": blocks, "all_gather": blocks + 1}
+    assert collective_counts(sharded.graphs[0]) == want, sp.notes
+    unsharded = sharded.sp_off()
+    outputs = simulate(sharded.graphs, sharded.inputs)
+    for got, want_outputs in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want_outputs, eager=[expected])
+    assert_ranks_near_eager(sharded, outputs, expected, dtype, fp8=False)
+
+
+@pytest.mark.parametrize(("collapse", "dtype"), collapse_cases(list(GATED_MEANS)))
+def test_every_gated_mean_spelling_shards_every_block(collapse: str, dtype: torch.dtype) -> None:
+    ids = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(9))
+    sharded = capture_with_passes(
+        lambda rank, tp: GatedMeanHC(collapse, None, 1, dtype, tp, rank),
+        lambda rank, tp: (ids,),
+        2,
+        HCPassesConfig(sp_min_tokens=1),
+        codegen=False,
+    )
+    with torch.no_grad():
+        expected = GatedMeanHC(collapse, None, 1, dtype)(ids)
+    assert_every_block_sharded(sharded, 2, expected, dtype)
+
+
+@pytest.mark.parametrize(("collapse", "dtype"), collapse_cases(list(WEIGHTED_SUMS)))
+def test_every_weighted_sum_spelling_shards_every_block(collapse: str, dtype: torch.dtype) -> None:
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(10))  # tokens [batch, seq]
+    sharded = capture_with_passes(
+        lambda rank, tp: WeightedSumMHC(collapse, None, 2, dtype, tp, rank),
+        lambda rank, tp: (ids,),
+        2,
+        HCPassesConfig(sp_min_tokens=1),
+        codegen=False,
+    )
+    with torch.no_grad():
+        expected = WeightedSumMHC(collapse, None, 2, dtype)(ids)
+    assert_every_block_sharded(sharded, 2, expected, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_delta_rule_solve_steps_are_not_hc_blocks(dtype: torch.dtype) -> None:
     """A chunked delta-rule mixer's forward substitution is a gated sum over ``[..., n, S]`` (the stacked mHC
@@ -69,8 +141,8 @@ def test_delta_rule_solve_steps_are_not_hc_blocks(dtype: torch.dtype) -> None:
     fusion = report.record("gated_mean_quant")
     assert fusion.notes[0] == f"HC stream collapses found: {2 * LAYERS + 1}", fusion.notes
     left_out = f"collapse-shaped sums that are no HC stream collapse, left out: {lookalikes} ("
-    assert fusion.notes[2].startswith(left_out), fusion.notes
-    assert "is not wider than its" in fusion.notes[2], fusion.notes  # n = S = i and n = chunk > S = i
+    [left_out_note] = [note for note in fusion.notes if note.startswith(left_out)]
+    assert "is not wider than its" in left_out_note, fusion.notes  # n = S = i and n = chunk > S = i
     sp = report.record("sp_rewrite")
     assert sp.status == "applied" and sp.applied == 2 * LAYERS + 1 and not sp.facts.get("cuts"), sp.notes
     assert any(note.startswith(left_out) for note in sp.notes), sp.notes
