@@ -51,9 +51,9 @@ def other_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp(-448.0, 448.0).to(FP8), scale
 
 
-def traced(fn, dtype: torch.dtype) -> tuple[fx.Node, fx.Node, fx.GraphModule]:
+def traced(fn, dtype: torch.dtype, shape: tuple[int, ...] = (6, 32)) -> tuple[fx.Node, fx.Node, fx.GraphModule]:
     """``fn`` traced to ATen with fake values; (its input, its FP8 cast, the module)."""
-    gm = make_fx(fn, tracing_mode="fake")(torch.randn(6, 32, dtype=dtype))
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(shape, dtype=dtype))
     [source] = [n for n in gm.graph.nodes if n.op == "placeholder"]
     [cast] = [n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == FP8]
     return source, cast, gm
@@ -105,6 +105,35 @@ def test_a_cast_of_another_input_is_no_quant_of_the_source() -> None:
     cast = next(n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == FP8)
     judgement = judge_quant(x, cast)
     assert isinstance(judgement, NotAQuant) and "besides" in judgement.why
+
+
+def quant_behind_a_row_regroup(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' MoE: ``view(-1, hidden)`` of ``[batch, seq, hidden]`` before the shared expert's quant."""
+    return per_token_quant(x.view(-1, x.shape[-1]))
+
+
+def amax_over_batch_and_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per sequence position shared by the batch: per-token only when the batch is 1."""
+    xf = x.float()
+    scale = torch.clamp(xf.abs().amax(dim=(0, -1), keepdim=True) / 448.0, min=1 / (448 * 512))
+    return (xf / scale).clamp(-448.0, 448.0).to(FP8), scale
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 32), (2, 4096, 256)], ids=["graph sizes", "shrunk probe"])
+def test_a_quant_behind_a_regrouping_of_token_rows_is_matched(shape: tuple[int, ...]) -> None:
+    """Above MAX_PROBE_ELEMENTS the probe has 16 rows: the regrouping is spelled anew for them."""
+    source, cast, _ = traced(quant_behind_a_row_regroup, torch.bfloat16, shape)
+    judgement = judge_quant(source, cast)
+    assert isinstance(judgement, QuantMatch), judgement
+    assert any(n.target is torch.ops.aten.view.default for n in judgement.nodes)
+
+
+def test_a_reduction_over_token_rows_is_not_probed_on_fewer_rows() -> None:
+    """Probe rows have leading dims of 1, on which an amax over the batch looks per-token: refused, not matched."""
+    judgement = judge_quant(*traced(amax_over_batch_and_row, torch.float32, (2, 4096, 256))[:2])
+    assert isinstance(judgement, NotAQuant) and "mixes token rows" in judgement.why, judgement
+    # at the graph's own sizes the probes separate it
+    assert isinstance(judge_quant(*traced(amax_over_batch_and_row, torch.float32, (2, 8, 32))[:2]), NearMiss)
 
 
 class QuantisedHC(UserHC):

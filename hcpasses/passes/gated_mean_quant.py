@@ -220,11 +220,12 @@ def fuse_matched_quant(graph: fx.Graph, collapse: FoundCollapse, quant: QuantMat
         x, codes, scale = (emit(operator.getitem, fused, i) for i in range(3))
         outputs = [(quant.codes, codes), (root, x)] + ([(quant.scale, scale)] if quant.scale is not None else [])
         replaced = {old: emit.viewed(new, old) for old, new in outputs}
-    inside = set(quant.nodes)
     quant.codes.replace_all_uses_with(replaced[quant.codes])
     if quant.scale is not None:
         quant.scale.replace_all_uses_with(replaced[quant.scale])
-    root.replace_all_uses_with(replaced[root], delete_user_cb=lambda user: user not in inside)
+    # The quant's own nodes read x too: those that something else also reads (the MoE router's
+    # ``view(-1, S)``) then stay, on the fused x; the rest are erased.
+    root.replace_all_uses_with(replaced[root])
     _erase_unused(graph, (*quant.nodes, root), stop={gate, streams})
 
 

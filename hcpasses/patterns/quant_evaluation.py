@@ -7,8 +7,11 @@ non-constant value on the way means ``codes`` is not a quant of ``x`` alone). It
 node of that sub-DAG that the rest of the graph reads (the dequant's or the scaled GEMM's operand).
 
 The sub-DAG is copied into a standalone FX graph and run on CPU on the probes (:func:`probe_rows`), in ``x``'s
-dtype and at the graph's own sizes (the probe rows tiled over ``x``'s token rows); codes (as bytes) and scales (as
-bits) must equal :func:`hcpasses.kernels.contract.per_token_quant`'s on every probe. Anything else is a near miss,
+dtype and at the graph's own sizes (the probe rows spread over ``x``'s token rows); codes (as bytes) and scales (as
+bits) must equal :func:`hcpasses.kernels.contract.per_token_quant`'s on every probe, compared row by row (a quant
+behind a regrouping of token rows, transformers' MoE ``view(-1, hidden)``, gives the same rows in another shape).
+Above ``MAX_PROBE_ELEMENTS`` the probe has ``PROBE_ROWS`` rows: then the sub-DAG may spell no sizes but those of
+such regroupings (spelled anew) and every value in it must hold one row per token. Anything else is a near miss,
 named by the first probe that separated it, and is never fused: the fused op would change the graph's values.
 
 Hand-written rather than a traced pattern: the point is to accept any spelling of the same function (vLLM's
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hcpasses.kernels.contract import FP8_DTYPE, FP8_MAX, MIN_SCALE, per_token_quant
 from hcpasses.patterns.tracing import value_of
@@ -35,6 +39,7 @@ MAX_QUANT_NODES = 48
 MAX_PROBE_ELEMENTS = 1 << 20
 PROBE_ROWS = 16  # token rows of a shrunk probe
 SIZED_OPS = {"reshape", "view", "expand", "_unsafe_view", "full", "empty", "new_empty", "new_full", "slice"}
+RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +124,8 @@ def judge_quant(source: fx.Node, codes: fx.Node) -> Judgement:
     probe_shape = _probe_shape(source, nodes)
     if isinstance(probe_shape, str):
         return NotAQuant(codes, probe_shape)
-    module = _standalone(source, codes, scale, nodes)
+    shrunk = probe_shape != tuple(value_of(source).shape)
+    module = _standalone(source, codes, scale, nodes, shrunk)
     dtype = value_of(source).dtype
     probes = probe_rows(probe_shape[-1], dtype)
     device = value_of(source).device  # the graph's device: its division rounds as the compiled code's will
@@ -144,11 +150,17 @@ def _sub_dag(source: fx.Node, codes: fx.Node) -> tuple[fx.Node, ...] | str:
         seen.add(node)
         if len(seen) > MAX_QUANT_NODES:
             return f"more than {MAX_QUANT_NODES} nodes between {source.name} and it"
-        stack.extend(node.all_input_nodes)
-    if not any(source in node.all_input_nodes for node in seen):
+        stack.extend(_value_inputs(node))
+    if not any(source in _value_inputs(node) for node in seen):
         return f"does not read {source.name}"
     order = {node: i for i, node in enumerate(codes.graph.nodes)}
     return tuple(sorted(seen, key=order.__getitem__))
+
+
+def _value_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs ``node``'s values come from: a regrouping of token rows reads its sizes (a graph input's
+    ``sym_size`` under dynamic shapes) only to keep the rows, and the standalone copy spells them anew."""
+    return [node.args[0]] if regroups_rows(node) else node.all_input_nodes
 
 
 def _read_scale(nodes: tuple[fx.Node, ...], codes: fx.Node) -> fx.Node | str | None:
@@ -168,39 +180,81 @@ def _is_row_scale(value: object, rows: torch.Size) -> bool:
 
 
 def _probe_shape(source: fx.Node, nodes: tuple[fx.Node, ...]) -> tuple[int, ...] | str:
-    """The graph's sizes of ``source`` when static and small; else ``PROBE_ROWS`` token rows, which a sub-DAG
-    that spells sizes (a reshape to the graph's T) does not allow."""
+    """The graph's sizes of ``source`` when static and small; else ``PROBE_ROWS`` token rows, which needs a
+    sub-DAG that spells no sizes (regroupings of token rows aside: they are spelled anew) and keeps one row of
+    every value per token (a reduction over token rows would look per-token on probe rows whose leading dims are 1)."""
     shape = value_of(source).shape
     width = shape[-1] if shape else None
     if not isinstance(width, int):
         return f"{source.name} has no static row width"
     if all(isinstance(d, int) for d in shape) and math.prod(shape) <= MAX_PROBE_ELEMENTS:
         return tuple(shape)
-    sized = [n.name for n in nodes if _op_name(n) in SIZED_OPS or n.target is torch.ops.aten.sym_size.int]
+    sized = [
+        n.name
+        for n in nodes
+        if (_op_name(n) in SIZED_OPS and not regroups_rows(n)) or n.target is torch.ops.aten.sym_size.int
+    ]
     if sized:
         return f"its sizes are spelled in the graph ({', '.join(sized[:3])}) and {source.name} is too large to probe"
+    rows = math.prod(shape[:-1])
+    across = [n.name for n in nodes if not _per_row_or_scalar(value_of(n), rows)]
+    if across:
+        return f"{', '.join(across[:3])} mixes token rows and {source.name} is too large to probe"
     return (*([1] * (len(shape) - 2)), PROBE_ROWS, width)
+
+
+def regroups_rows(node: fx.Node) -> bool:
+    """A reshape that only regroups token rows (``view(-1, S)`` of ``[batch, seq, S]``): the row width stays
+    (static), so row i of the result is row i of the input in row-major order."""
+    if node.target not in RESHAPES:
+        return False
+    src, out = value_of(node.args[0]), value_of(node)
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dim() >= 1 and out.dim() >= 2):
+        return False
+    return isinstance(out.shape[-1], int) and statically_known_true(src.shape[-1] == out.shape[-1])
+
+
+def _per_row_or_scalar(value: object, rows: object) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return True
+    if all(isinstance(d, int) for d in value.shape) and math.prod(value.shape) == 1:
+        return True  # a broadcast constant
+    # one row per token, with or without the row's trailing dim (an amax without keepdim)
+    return statically_known_true(math.prod(value.shape[:-1]) == rows) or statically_known_true(
+        math.prod(value.shape) == rows
+    )
 
 
 def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target)).split(".")[0]
 
 
-def _standalone(source: fx.Node, codes: fx.Node, scale: fx.Node | None, nodes: tuple[fx.Node, ...]) -> fx.GraphModule:
-    """The sub-DAG as a graph of its own: ``(x) -> (codes, scale)``."""
+def _standalone(
+    source: fx.Node, codes: fx.Node, scale: fx.Node | None, nodes: tuple[fx.Node, ...], shrunk: bool
+) -> fx.GraphModule:
+    """The sub-DAG as a graph of its own: ``(x) -> (codes, scale)``. On a ``shrunk`` probe (fewer token rows than
+    the graph's) a regrouping of token rows becomes ``reshape(-1, width)``, leading 1s keeping its rank."""
     graph = fx.Graph()
     env = {source: graph.placeholder("x")}
     for node in nodes:
-        env[node] = graph.node_copy(node, env.__getitem__)
+        if shrunk and regroups_rows(node):
+            rank, width = value_of(node).dim(), value_of(node).shape[-1]
+            sizes = [*([1] * (rank - 2)), -1, int(width)]
+            env[node] = graph.call_function(torch.ops.aten.reshape.default, (env[node.args[0]], sizes))
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
     graph.output((env[codes], env[scale] if scale is not None else None))
     owner = source.graph.owning_module
     return fx.GraphModule(owner if owner is not None else torch.nn.Module(), graph)
 
 
 def _fill(rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``rows`` repeated over the token rows of ``shape``."""
+    """``rows`` over the token rows of ``shape``: each once, then drawn at random (fixed seed). Not tiled in
+    order: a tiling repeats itself across the batch, where a reduction over token rows would look per-token."""
     tokens = math.prod(shape[:-1])
-    return rows.repeat(math.ceil(tokens / rows.shape[0]), 1)[:tokens].reshape(shape)
+    first = torch.arange(min(tokens, rows.shape[0]))
+    rest = torch.randint(0, rows.shape[0], (tokens - len(first),), generator=torch.Generator().manual_seed(1))
+    return rows[torch.cat([first, rest])].reshape(shape)
 
 
 def _difference(module: fx.GraphModule, x: torch.Tensor, with_scale: bool) -> str | None:
@@ -210,10 +264,16 @@ def _difference(module: fx.GraphModule, x: torch.Tensor, with_scale: bool) -> st
     except Exception as err:  # any op may refuse a probe input; that is a difference too, reported as such
         return f"it raised {type(err).__name__}: {err}"
     want_codes, want_scale = per_token_quant(x)
-    if codes.dtype != FP8_DTYPE or codes.shape != want_codes.shape:
+    # Compared row by row: a quant behind a regrouping of token rows gives the same rows in another grouping.
+    if codes.dtype != FP8_DTYPE or codes.shape[-1:] != want_codes.shape[-1:] or codes.numel() != want_codes.numel():
         return f"codes {codes.dtype} {tuple(codes.shape)}, the contract's {FP8_DTYPE} {tuple(want_codes.shape)}"
-    if with_scale and (scale.shape != want_scale.shape or not _same_bits(scale, want_scale)):
-        return _first_difference("scale", scale, want_scale)
+    codes, want_codes = codes.reshape(-1, codes.shape[-1]), want_codes.reshape(-1, want_codes.shape[-1])
+    if with_scale:
+        if scale.numel() != want_scale.numel():
+            return f"scale shape {tuple(scale.shape)}, the contract's {tuple(want_scale.shape)}"
+        scale, want_scale = scale.reshape(-1), want_scale.reshape(-1)
+        if not _same_bits(scale, want_scale):
+            return _first_difference("scale", scale, want_scale)
     if not _same_bits(codes, want_codes):
         return _first_difference("code", codes, want_codes)
     return None
