@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from hcpasses.tp import resolve_tp
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _POSITIVE_FIELDS = (
@@ -72,6 +75,13 @@ class HCConfig:
     def streams_width(self) -> int:
         """Width n*S of the residual streams."""
         return self.n_streams * self.hidden
+
+    def tp_of(self, tp_rank: int | None, tp_size: int | None, group: dist.ProcessGroup | None) -> tuple[int, int]:
+        """This process's ``(rank, size)`` in ``group`` where not given (``hcpasses.tp.resolve_tp``), checked
+        against the sharded sizes."""
+        rank, size = resolve_tp(tp_rank, tp_size, group)
+        self.check_tp(size)
+        return rank, size
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ValueError if the sharded sizes are not divisible by ``tp_size``."""

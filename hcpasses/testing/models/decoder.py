@@ -21,7 +21,7 @@ from torch import nn
 from .config import HCConfig
 from .fp8 import Fp8ColumnParallelLinear
 from .hc import NORM_WEIGHT_STD, FinalMixer, HyperConnection, grouped_rms_norm
-from .tp import ColumnParallelLinear, RowParallelLinear, replicated_parameter, resolve_tp
+from .tp import ColumnParallelLinear, RowParallelLinear, replicated_parameter
 
 ROPE_BASE = 10000.0
 PLE_KERNEL = 4
@@ -305,8 +305,7 @@ class HCDecoder(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size, group)
-        cfg.check_tp(self.tp_size)
+        self.tp_rank, self.tp_size = cfg.tp_of(tp_rank, tp_size, group)
         self.embed = replicated_parameter(cfg.seed, "embed", (cfg.vocab_size, cfg.hidden), 1.0, cfg.dtype)
         tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size, group=group)
         self.layers = nn.ModuleList(self.layer_class(cfg, i, **tp) for i in range(cfg.n_layers))

@@ -24,7 +24,7 @@ from torch import nn
 from .config import HCConfig
 from .decoder import DecoderCache, HCDecoder, HCDecoderLayer, cache_length, rope_tables
 from .hc import NORM_WEIGHT_STD, FinalMixer, grouped_rms_norm
-from .tp import replicated_parameter, resolve_tp
+from .tp import replicated_parameter
 
 
 class MTPDrafter(nn.Module):
@@ -46,8 +46,7 @@ class MTPDrafter(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size, group)
-        cfg.check_tp(self.tp_size)
+        self.tp_rank, self.tp_size = cfg.tp_of(tp_rank, tp_size, group)
         seed, dtype, hidden = cfg.seed, cfg.dtype, cfg.hidden
         if target is not None:
             self.embed, self.lm_head = target.embed, target.lm_head
