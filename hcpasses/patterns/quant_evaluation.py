@@ -124,7 +124,9 @@ def judge_quant(source: fx.Node, codes: fx.Node) -> Judgement:
     probe_shape = _probe_shape(source, nodes)
     if isinstance(probe_shape, str):
         return NotAQuant(codes, probe_shape)
-    shrunk = probe_shape != tuple(value_of(source).shape)
+    shape = tuple(value_of(source).shape)
+    # compared only when static: a symbolic size compared with an int would install a guard on it
+    shrunk = not all(isinstance(d, int) for d in shape) or probe_shape != shape
     module = _standalone(source, codes, scale, nodes, shrunk)
     dtype = value_of(source).dtype
     probes = probe_rows(probe_shape[-1], dtype)
