@@ -28,11 +28,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 # canonical_forms rewrites per graph, for the pattern-era spellings (QUANTS); amax before the upcast is already
 # canonical in fp32 (the upcast is a no-op there)
 REWRITTEN = {"reference": 0, "method_chain": 0, "max_values": 2 * LAYERS}
-# The spellings today's passes leave unfused (in fp32 and bf16) that matching by evaluation must take: no gated
-# mean here is found as a collapse; the bmm of a broadcasting ``@`` / ``bmm`` is rewritten to a gated sum, but its
-# output keeps the ``[T, 1, S]`` of the GEMM up to the squeeze, and the quant after the squeeze is judged against
-# that shape (a near miss by shape, not by value).
-NEEDS_EVALUATION = {*GATED_MEANS, "matmul_operator", "bmm_squeeze"}
+# The spellings today's passes leave unfused (in fp32 and bf16) that matching the collapse by evaluation must take:
+# no gated mean here is found as a collapse. (The broadcasting ``@`` / ``bmm`` weighted sums fuse: their bmm is
+# rewritten to a gated sum whose ``[T, 1, S]`` output reaches the quant through a squeeze, a regrouping of token
+# rows that the quant's evaluation compares row by row.)
+NEEDS_EVALUATION = set(GATED_MEANS)
 XFAIL = pytest.mark.xfail(strict=True, reason="needs matching by evaluation (#26 item 1/2)")
 # Representatives of each family run in the quick run (the three misses among them); the rest, ~2-5 s a
 # compile each, are left to the thorough one.
