@@ -272,7 +272,8 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 
 def fp8_ordinal(q: torch.Tensor) -> torch.Tensor:
-    """Position of each e4m3 code on the ordered value grid (+0 and -0 both 0): neighbours differ by 1."""
+    """Position of each FP8 code (e4m3fn or e5m2: sign bit, then a magnitude whose bits order its values) on
+    the ordered value grid (+0 and -0 both 0): neighbours differ by 1."""
     bits = q.view(torch.uint8).int()
     magnitude = bits & 0x7F
     return torch.where(bits & 0x80 != 0, -magnitude, magnitude)
