@@ -88,6 +88,7 @@ class GatedMeanQuantFusion(GraphPass):
         if self._fuser is None:
             self._fuser = self._build_fuser()
         found = sum(1 for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM))
+        found_notes = self._finder.evaluation_notes()
         by_pattern = self._fuser.apply(graph)
         collapses = self._finder.find(graph)
         lookalikes = self._finder.lookalike_note()
@@ -100,7 +101,8 @@ class GatedMeanQuantFusion(GraphPass):
             if isinstance(judged.get(collapse.root), QuantMatch):
                 fuse_matched_quant(graph, collapse, judged[collapse.root])
         fused = by_pattern + len(evaluated)
-        notes: tuple[str, ...] = (f"HC stream collapses found: {found}", f"fused with a per-token FP8 quant: {fused}")
+        notes: tuple[str, ...] = (f"HC stream collapses found: {found}", *found_notes)
+        notes += (f"fused with a per-token FP8 quant: {fused}",)
         if evaluated:
             probes = evaluated[0].probes
             notes += (f"of them matched by evaluation ({probes} probes): {len(evaluated)}",)
@@ -213,8 +215,10 @@ def fuse_matched_quant(graph: fx.Graph, collapse: FoundCollapse, quant: QuantMat
     with graph.inserting_before(root.next):  # after the collapse: its gate and streams are defined by then
         flat_streams, flat_gate = streams, gate
         if value_of(gate).dim() > 2 or value_of(streams).dim() > 2:  # several token dims or stacked streams
-            flat_streams = emit(aten.reshape.default, streams, [-1, _stream_width(streams, gate)])
-            flat_gate = emit(aten.reshape.default, gate, [-1, value_of(gate).shape[-1]])
+            # n*S wide: stacked [..., n, S] streams (and a gated mean's gate of their shape) flatten stream-major
+            width = collapse.n * int(value_of(root).shape[-1])
+            flat_streams = emit(aten.reshape.default, streams, [-1, width])
+            flat_gate = emit(aten.reshape.default, gate, [-1, width if collapse.normed else collapse.n])
         op = FUSED_GATED_MEAN if collapse.normed else FUSED_WEIGHTED_SUM
         fused = emit(op, flat_streams, flat_gate, collapse.n)
         x, codes, scale = (emit(operator.getitem, fused, i) for i in range(3))
@@ -227,13 +231,6 @@ def fuse_matched_quant(graph: fx.Graph, collapse: FoundCollapse, quant: QuantMat
     # ``view(-1, S)``) then stay, on the fused x; the rest are erased.
     root.replace_all_uses_with(replaced[root])
     _erase_unused(graph, (*quant.nodes, root), stop={gate, streams})
-
-
-def _stream_width(streams: fx.Node, gate: fx.Node) -> int:
-    """``n * S``: the width of the streams flattened to the fused op's ``[tokens, n*S]`` (stacked ``[..., n, S]``
-    streams have one dim more than their gate)."""
-    shape = value_of(streams).shape
-    return int(shape[-1] * (shape[-2] if len(shape) > value_of(gate).dim() else 1))
 
 
 class _Emitter:

@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import Match, PatternExpr, PatternMatcherPass, register_graph_pattern
 
 import hcpasses.kernels  # noqa: F401  (registers torch.ops.hcpasses.*)
+from hcpasses.patterns.collapse_evaluation import CollapseNearMiss, find_by_evaluation
 from hcpasses.patterns.gated_mean import (
     activation_sum_gated_mean,
     atom_gated_mean,
@@ -214,6 +215,8 @@ class CollapseFinder:
         self._finder: PatternMatcherPass | None = None
         self._found: list[tuple[FoundCollapse, frozenset[fx.Node]]] = []  # each match and its nodes
         self.lookalikes: list[tuple[fx.Node, str]] = []  # (root, why) of each match that is no HC collapse
+        self.evaluated = 0  # collapses of the last ``find`` that evaluation found (no pattern matched them)
+        self.near_misses: list[CollapseNearMiss] = []  # collapse-shaped sub-DAGs that evaluate otherwise
 
     def _build(self) -> PatternMatcherPass:
         finder = PatternMatcherPass(pass_name="hcpasses_find_hc_collapse")
@@ -239,7 +242,8 @@ class CollapseFinder:
         return handler
 
     def find(self, graph: fx.Graph) -> list[FoundCollapse]:
-        """Unfused and fused collapses in graph order."""
+        """Unfused and fused collapses in graph order: the traced patterns' matches, then the collapses that
+        evaluation finds among the rest of the graph (``hcpasses.patterns.collapse_evaluation``)."""
         if self._finder is None:
             self._finder = self._build()
         self._found, self.lookalikes = [], []
@@ -252,9 +256,26 @@ class CollapseFinder:
             if not any(c.root in nodes and c.root is not outer.root for outer, nodes in self._found)
         ]
         found += [_fused(node) for node in graph.nodes if node.target in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]
+        taken = {node for _, nodes in self._found for node in nodes} | {n for c in found for n in (c.root, *c.outputs)}
+        evaluated, self.near_misses = find_by_evaluation(graph, taken)
+        self.evaluated = len(evaluated)
+        found += [FoundCollapse(m.root, (m.root,), m.gate, m.streams, m.n, m.normed, m.refusal) for m in evaluated]
+        # a look-alike of the patterns inside a collapse that evaluation found (a bmm rewritten to a gated sum with
+        # a unit dim) is part of that collapse
+        inside = {node for m in evaluated for node in m.nodes}
         order = {node: i for i, node in enumerate(graph.nodes)}
-        self.lookalikes.sort(key=lambda pair: order[pair[0]])
+        self.lookalikes = sorted((p for p in self.lookalikes if p[0] not in inside), key=lambda pair: order[pair[0]])
         return sorted(found, key=lambda c: order[c.root])
+
+    def evaluation_notes(self) -> tuple[str, ...]:
+        """Lines on what the last ``find`` decided by evaluation: collapses found, near misses (the first few)."""
+        notes: tuple[str, ...] = ()
+        if self.evaluated:
+            notes += (f"of them found by evaluation (no pattern matched): {self.evaluated}",)
+        if self.near_misses:
+            shown = "; ".join(map(str, self.near_misses[:3])) + ("; ..." if len(self.near_misses) > 3 else "")
+            notes += (f"collapse-shaped values that evaluate otherwise, left out: {len(self.near_misses)} ({shown})",)
+        return notes
 
     def lookalike_note(self) -> str | None:
         """One line on the collapse-shaped sums the last ``find`` left out (count, the first few and why)."""

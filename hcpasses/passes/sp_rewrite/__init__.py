@@ -94,7 +94,7 @@ class SPRewrite(GraphPass):
         if not collapses:
             return PassResult(0, "no HC block (stream collapse) in this graph")
         reduces = find_all_reduces(graph)
-        notes = [f"HC blocks (collapses) found: {len(collapses)}"]
+        notes = [f"HC blocks (collapses) found: {len(collapses)}", *self._finder.evaluation_notes()]
         notes += [f"all-reduces: {0 if isinstance(reduces, NotShardable) else len(reduces)}"]
         lookalikes = self._finder.lookalike_note()
         if lookalikes:
