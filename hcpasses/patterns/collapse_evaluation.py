@@ -31,15 +31,16 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
+import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hcpasses.patterns.quant_evaluation import MAX_PROBE_ELEMENTS, PROBE_ROWS, SIZED_OPS, regroups_rows
 from hcpasses.patterns.tracing import same_sizes, value_of
 
 MAX_STREAMS = 16  # HC models carry a handful of residual streams (n = 4 in both target models)
 MAX_COLLAPSE_NODES = 96  # a Python loop over 16 streams is ~70 nodes
+MAX_TRIES = 4  # pairs of inputs evaluated per candidate output (a norm without weights closes a wider pair too)
 SYMBOL_PROBE_SIZE = 8  # the value a symbolic token size takes on the probes
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -87,28 +88,46 @@ class _Inputs:
     normed: bool
 
 
-def find_by_evaluation(
-    graph: fx.Graph, taken: set[fx.Node]
-) -> tuple[list[CollapseMatch], list[CollapseNearMiss]]:
+def find_by_evaluation(graph: fx.Graph, taken: set[fx.Node]) -> tuple[list[CollapseMatch], list[CollapseNearMiss]]:
     """The collapses of ``graph`` that evaluation finds (graph order), and the near misses that no collapse found
     explains (a function of a found collapse's x is no near miss). ``taken``: the nodes of collapses found
     otherwise; a candidate whose sub-DAG reaches one is not tried."""
     found: list[CollapseMatch] = []
     misses: list[CollapseNearMiss] = []
     consumed = set(taken)
-    for root in reversed(list(graph.nodes)):
+    index = _GraphIndex(graph)
+    # Graph order: a collapse is found before the values computed from it (its quant, its sub-layer), whose
+    # sub-DAGs then reach it and are not tried.
+    for root in list(graph.nodes):
         if root in consumed or _root_shape(root) is None:
             continue
-        judged = _judge_root(root, consumed)
+        judged = _judge_root(root, consumed, index)
         if isinstance(judged, CollapseMatch):
+            judged = _outermost(judged, consumed, index)
             found.append(judged)
-            consumed |= judged.nodes
+            consumed |= judged.nodes | {judged.root}
         elif judged is not None:
             misses.append(judged)
     found_roots = {match.root for match in found}
     misses = [miss for miss in misses if not (miss.nodes & found_roots) and miss.root not in consumed]
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return sorted(found, key=lambda m: order[m.root]), sorted(misses, key=lambda m: order[m.root])
+    return found, misses
+
+
+def _outermost(match: CollapseMatch, taken: set[fx.Node], index: _GraphIndex) -> CollapseMatch:
+    """The match grown through its root's only user while that still computes the collapse: an fp32 collapse over
+    bf16 streams rounded back to bf16 (ATOM's form) is one collapse, whose x is the rounded value."""
+    while len(match.root.users) == 1:
+        user = next(iter(match.root.users))
+        shape = _root_shape(user)
+        if shape is None or user in taken:
+            return match
+        inputs = _Inputs(match.gate, match.streams, match.n, match.normed)
+        nodes = _sub_dag(user, inputs, taken, index)
+        grown = _evaluate(user, inputs, nodes, shape, index) if nodes is not None else None
+        if not isinstance(grown, CollapseMatch):
+            return match
+        match = grown
+    return match
 
 
 def _root_shape(node: fx.Node) -> tuple[tuple[object, ...], int] | None:
@@ -121,65 +140,81 @@ def _root_shape(node: fx.Node) -> tuple[tuple[object, ...], int] | None:
     return tuple(val.shape[:-1]), val.shape[-1]
 
 
-def _judge_root(root: fx.Node, taken: set[fx.Node]) -> CollapseMatch | CollapseNearMiss | None:
-    """The collapse ``root`` computes from the furthest-upstream inputs that evaluate to one, else the near miss of
-    the furthest-upstream pair of inputs that closes its sub-DAG, else None."""
+def _judge_root(root: fx.Node, taken: set[fx.Node], index: _GraphIndex) -> CollapseMatch | CollapseNearMiss | None:
+    """The collapse ``root`` computes from the furthest-upstream inputs that evaluate to one (at most
+    ``MAX_TRIES`` pairs of inputs that close its sub-DAG are evaluated), else the near miss of the first pair tried,
+    else None."""
     shape = _root_shape(root)
     assert shape is not None
     tokens, width = shape
-    ancestors = _ancestors(root, taken)
     first_miss: CollapseNearMiss | None = None
-    for inputs in _candidate_inputs(ancestors, tokens, width):
-        nodes = _sub_dag(root, inputs, taken)
+    tries = 0
+    for inputs in _candidate_inputs(_ancestors(root, taken, index), tokens, width, index):
+        nodes = _sub_dag(root, inputs, taken, index)
         if nodes is None:
             continue
-        judged = _evaluate(root, inputs, nodes, tokens, width)
+        judged = _evaluate(root, inputs, nodes, shape, index)
         if isinstance(judged, CollapseMatch):
             return judged
-        if first_miss is None and judged is not None:
-            first_miss = judged
+        first_miss = first_miss or judged
+        tries += 1
+        if tries == MAX_TRIES:
+            break
     return first_miss
 
 
-def _ancestors(root: fx.Node, taken: set[fx.Node]) -> list[fx.Node]:
+def _ancestors(root: fx.Node, taken: set[fx.Node], index: _GraphIndex) -> list[fx.Node]:
     """Up to ``MAX_COLLAPSE_NODES`` value ancestors of ``root``, nearest first, not reaching past a ``taken`` node
     (a collapse already found: its x is no input of another collapse's streams or gate)."""
     seen, frontier, out = {root}, [root], []
     while frontier and len(out) < MAX_COLLAPSE_NODES:
         frontier = [
-            i for node in frontier for i in _value_inputs(node) if i not in seen and not seen.add(i) and i not in taken
+            i for node in frontier for i in index.inputs[node] if i not in seen and not seen.add(i) and i not in taken
         ]
         out += frontier
     return out
 
 
-def _value_inputs(node: fx.Node) -> list[fx.Node]:
-    """The inputs ``node``'s values come from (sizes aside: the standalone copy spells them for the probe)."""
-    return [i for i in node.all_input_nodes if not _is_size(i)]
+class _GraphIndex:
+    """Each node's position and value inputs (the inputs its values come from; sizes aside: a probe spells them
+    anew), looked up many times per candidate."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.order = {node: i for i, node in enumerate(graph.nodes)}
+        self.inputs = {node: tuple(i for i in node.all_input_nodes if not _is_size(i)) for node in graph.nodes}
+        self.signature = {node: _signature(node.meta.get("val")) for node in graph.nodes}
 
 
 def _is_size(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.SymInt)
 
 
-def _candidate_inputs(ancestors: list[fx.Node], tokens: tuple[object, ...], width: int) -> Iterator[_Inputs]:
+def _signature(value: object) -> tuple[object, ...] | None:
+    """dtype and sizes (symbolic ones by their expression) of a tensor value: equal for values of one shape."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return (value.dtype, *(str(d) for d in value.shape))
+
+
+def _candidate_inputs(
+    ancestors: list[fx.Node], tokens: tuple[object, ...], width: int, index: _GraphIndex
+) -> Iterator[_Inputs]:
     """(gate, streams) pairs among ``ancestors`` with the shapes of a collapse of ``[*tokens, width]``, streams and
     gates furthest upstream first."""
     upstream = list(reversed(ancestors))
+    by_signature: dict[tuple[object, ...], list[fx.Node]] = {}
+    for node in upstream:
+        signature = index.signature[node]
+        if signature is not None:
+            by_signature.setdefault(signature, []).append(node)
+    token_sizes = tuple(str(d) for d in tokens)
     for streams in upstream:
         n = _stream_count(streams, tokens, width)
         if n is None:
             continue
-        sval = value_of(streams)
-        for gate in upstream:
-            gval = value_of(gate)
-            if gate is streams or not isinstance(gval, torch.Tensor):
-                continue
-            if gval.dtype == sval.dtype and gval.dim() == sval.dim() and same_sizes(gval.shape, sval.shape):
-                yield _Inputs(gate, streams, n, normed=True)
-            elif gval.dtype == torch.float32 and gval.dim() == len(tokens) + 1 and gval.shape[-1] == n:
-                if same_sizes(gval.shape[:-1], tokens):
-                    yield _Inputs(gate, streams, n, normed=False)
+        same_shape = by_signature[index.signature[streams]]
+        yield from (_Inputs(gate, streams, n, True) for gate in same_shape if gate is not streams)
+        yield from (_Inputs(w, streams, n, False) for w in by_signature.get((torch.float32, *token_sizes, str(n)), ()))
 
 
 def _stream_count(node: fx.Node, tokens: tuple[object, ...], width: int) -> int | None:
@@ -200,7 +235,7 @@ def _stream_count(node: fx.Node, tokens: tuple[object, ...], width: int) -> int 
     return n
 
 
-def _sub_dag(root: fx.Node, inputs: _Inputs, taken: set[fx.Node]) -> frozenset[fx.Node] | None:
+def _sub_dag(root: fx.Node, inputs: _Inputs, taken: set[fx.Node], index: _GraphIndex) -> frozenset[fx.Node] | None:
     """The nodes between the inputs and ``root`` when they read nothing else but constants and sizes."""
     sources = {inputs.gate, inputs.streams}
     seen: set[fx.Node] = set()
@@ -212,8 +247,8 @@ def _sub_dag(root: fx.Node, inputs: _Inputs, taken: set[fx.Node]) -> frozenset[f
         if node.op not in ("call_function", "get_attr") or node in taken or len(seen) >= MAX_COLLAPSE_NODES:
             return None
         seen.add(node)
-        stack.extend(_value_inputs(node))
-    read = {i for node in seen for i in _value_inputs(node)}
+        stack.extend(index.inputs[node])
+    read = {i for node in seen for i in index.inputs[node]}
     return frozenset(seen) if sources <= read else None
 
 
@@ -239,21 +274,26 @@ def probe_inputs(rows: int, n: int, width: int, normed: bool) -> dict[str, tuple
 
 
 def _evaluate(
-    root: fx.Node, inputs: _Inputs, nodes: frozenset[fx.Node], tokens: tuple[object, ...], width: int
+    root: fx.Node,
+    inputs: _Inputs,
+    nodes: frozenset[fx.Node],
+    shape: tuple[tuple[object, ...], int],
+    index: _GraphIndex,
 ) -> CollapseMatch | CollapseNearMiss | None:
-    """Run the sub-DAG on the probes; None when it cannot be probed (sizes it spells that no probe can take)."""
+    """Run the sub-DAG on the probes; None when it cannot be probed (sizes it spells that no probe can take).
+    ``index``: the graph's node positions."""
+    tokens, width = shape
     plan = _probe_plan(root, inputs, nodes, tokens)
     if plan is None:
         return None
     probe_tokens, sizes = plan
-    order = {node: i for i, node in enumerate(root.graph.nodes)}
-    module = _standalone(root, inputs, sorted(nodes, key=order.__getitem__), sizes, probe_tokens)
-    if module is None:
+    steps = _program(root, sorted(nodes, key=index.order.__getitem__), sizes, probe_tokens)
+    if steps is None:
         return None
     rows = math.prod(probe_tokens)
     probes = probe_inputs(rows, inputs.n, width, inputs.normed)
     for name, (gate, streams) in probes.items():
-        detail = _difference(module, root, inputs, gate, streams, probe_tokens)
+        detail = _difference(steps, root, inputs, gate, streams, probe_tokens)
         if detail is not None:
             return CollapseNearMiss(root, name, detail, nodes)
     return CollapseMatch(root, inputs.gate, inputs.streams, inputs.n, inputs.normed, nodes, len(probes))
@@ -264,10 +304,12 @@ def _probe_plan(
 ) -> tuple[tuple[int, ...], dict[object, int] | None] | None:
     """The probe's token sizes and how to spell symbolic sizes (a symbol -> int map; None: keep the graph's static
     sizes, respelling the token dims of reshapes). None when the sub-DAG cannot be probed."""
-    symbols = {s for d in tokens if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
+    symbols = {s for d in tokens if isinstance(d, torch.SymInt) for s in sympy.sympify(d.node.expr).free_symbols}
     if symbols:
-        values = {s: SYMBOL_PROBE_SIZE for s in symbols}
-        probe = tuple(int(d.node.expr.xreplace(values)) if isinstance(d, torch.SymInt) else int(d) for d in tokens)
+        values = {s: sympy.Integer(SYMBOL_PROBE_SIZE) for s in symbols}
+        probe = tuple(
+            int(sympy.sympify(d.node.expr).xreplace(values)) if isinstance(d, torch.SymInt) else int(d) for d in tokens
+        )
         return probe, values
     static = tuple(int(d) for d in tokens)  # type: ignore[call-overload]
     if value_of(inputs.streams).numel() <= MAX_PROBE_ELEMENTS:
@@ -290,43 +332,58 @@ def _keeps_tokens(node: fx.Node, tokens: tuple[object, ...]) -> bool:
     return same_sizes(src.shape[:lead], tokens) and same_sizes(out.shape[:lead], tokens)
 
 
-def _standalone(
-    root: fx.Node,
-    inputs: _Inputs,
-    nodes: list[fx.Node],
-    sizes: dict[object, int] | None,
-    probe_tokens: tuple[int, ...],
-) -> fx.GraphModule | None:
-    """The sub-DAG as a graph of its own, ``(gate, streams) -> x``, its sizes spelled for ``probe_tokens``."""
-    graph = fx.Graph()
-    env: dict[fx.Node, object] = {inputs.gate: graph.placeholder("gate"), inputs.streams: graph.placeholder("streams")}
-    tokens = tuple(value_of(root).shape[:-1])
+Step = tuple[fx.Node, object, tuple[object, ...], dict[str, object]]
 
-    def arg(node: fx.Node) -> object:
-        if node in env:
-            return env[node]
+
+def _program(
+    root: fx.Node, nodes: list[fx.Node], sizes: dict[object, int] | None, probe_tokens: tuple[int, ...]
+) -> list[Step] | None:
+    """The sub-DAG's nodes as ``(node, target, args, kwargs)`` steps, their sizes spelled for ``probe_tokens``
+    (other nodes stay as references, looked up when run). Run directly rather than as a new GraphModule: its
+    codegen would cost more than the probes."""
+    tokens = tuple(value_of(root).shape[:-1])
+    inside = set(nodes)
+
+    def spell(node: fx.Node) -> object:
         value = node.meta.get("val")
-        if not isinstance(value, torch.SymInt) or sizes is None:
+        if node in inside or not isinstance(value, torch.SymInt):
+            return node
+        if sizes is None:
             raise _NotProbeable
-        spelled = value.node.expr.xreplace(sizes)
+        spelled = sympy.sympify(value.node.expr).xreplace(sizes)
         if spelled.free_symbols:  # a size of something else than the tokens
             raise _NotProbeable
         return int(spelled)
 
+    steps: list[Step] = []
     try:
         for node in nodes:
             if sizes is None and (_keeps_tokens(node, tokens) or regroups_rows(node)):
                 out = value_of(node).shape
                 lead = [*probe_tokens] if _keeps_tokens(node, tokens) else [*([1] * (len(out) - 2)), -1]
                 respelled = [*lead, *(int(d) for d in out[len(lead) :])]
-                env[node] = graph.call_function(torch.ops.aten.reshape.default, (env[node.args[0]], respelled))
+                steps.append((node, torch.ops.aten.reshape.default, (node.args[0], respelled), {}))
+            elif node.op == "get_attr":
+                steps.append((node, _attribute, (root.graph.owning_module, node.target), {}))
             else:
-                env[node] = graph.node_copy(node, arg)
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), spell)
+                steps.append((node, node.target, args, kwargs))
     except _NotProbeable:
         return None
-    graph.output(env[root])
-    owner = root.graph.owning_module
-    return fx.GraphModule(owner if owner is not None else torch.nn.Module(), graph)
+    return steps
+
+
+def _attribute(module: torch.nn.Module, target: str) -> object:
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _run(steps: list[Step], root: fx.Node, inputs: _Inputs, gate: torch.Tensor, streams: torch.Tensor) -> object:
+    env: dict[fx.Node, object] = {inputs.gate: gate, inputs.streams: streams}
+    for node, target, args, kwargs in steps:
+        env[node] = target(*fx.node.map_arg(args, env.__getitem__), **fx.node.map_arg(kwargs, env.__getitem__))
+    return env[root]
 
 
 class _NotProbeable(Exception):
@@ -334,7 +391,7 @@ class _NotProbeable(Exception):
 
 
 def _difference(
-    module: fx.GraphModule,
+    steps: list[Step],
     root: fx.Node,
     inputs: _Inputs,
     gate: torch.Tensor,
@@ -349,12 +406,14 @@ def _difference(
     terms = (torch.sigmoid(gate.double()) / n if inputs.normed else gate.double().unsqueeze(-1)) * streams.double()
     exact = terms.sum(1)
     shape_streams = value_of(inputs.streams).shape
-    graph_streams = streams.reshape(*probe_tokens, n, width) if len(shape_streams) > len(probe_tokens) + 1 else (
-        streams.reshape(*probe_tokens, n * width)
+    graph_streams = (
+        streams.reshape(*probe_tokens, n, width)
+        if len(shape_streams) > len(probe_tokens) + 1
+        else (streams.reshape(*probe_tokens, n * width))
     )
     graph_gate = gate.reshape(*probe_tokens, *value_of(inputs.gate).shape[len(probe_tokens) :])
     try:
-        x = module(graph_gate, graph_streams)
+        x = _run(steps, root, inputs, graph_gate, graph_streams)
     except Exception as err:  # any op may refuse a probe input; that is a difference too, reported as such
         return f"it raised {type(err).__name__}: {err}"
     if not isinstance(x, torch.Tensor) or x.dtype != x_dtype or x.numel() != exact.numel():
