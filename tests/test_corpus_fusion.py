@@ -1,13 +1,12 @@
 """The fusion on the spelling corpus (``tests/corpus``): quants written independently (``quants.CORPUS``) after the
 gated mean of an independently written HC model (``gated_residual.UserHC``), and collapses written independently
-(``collapses.GATED_MEANS`` / ``collapses.WEIGHTED_SUMS``) before the reference quant.
-
-Every quant labelled identical (``quants.IDENTICAL``, checked by tests/test_corpus_classification.py) fuses every
-HC block's quant in fp32 and bf16; every near miss (``quants.NEAR_MISSES``) is left unfused and the report says it
-is a near miss of the per-token quant. Every collapse spelling fuses with the quant behind it. In each case the
-compiled model matches eager. Spellings today's passes do not take yet are strict xfails (``NEEDS_EVALUATION``):
-when matching by evaluation (#26 items 1/2) takes them, the xfail turns into a failure and its mark must go.
-(The fused op's numerics against the unfused graph: tests/test_gated_mean_quant.py.)"""
+(``collapses.GATED_MEANS`` / ``collapses.WEIGHTED_SUMS``) before the reference quant. Every quant labelled identical
+(``quants.IDENTICAL``, checked by tests/test_corpus_classification.py) fuses every HC block's quant in fp32 and
+bf16; every near miss (``quants.NEAR_MISSES``) is left unfused and the report says it is a near miss of the
+per-token quant. Every collapse spelling fuses with the quant behind it: the gated means, which no traced pattern
+holds, found as collapses by evaluation (``hcpasses.patterns.collapse_evaluation``), and the report says so. In each
+case the compiled model matches eager. (The fused op's numerics against the unfused graph:
+tests/test_gated_mean_quant.py.)"""
 
 from __future__ import annotations
 
@@ -28,25 +27,17 @@ DTYPES = [torch.float32, torch.bfloat16]
 # canonical_forms rewrites per graph, for the pattern-era spellings (QUANTS); amax before the upcast is already
 # canonical in fp32 (the upcast is a no-op there)
 REWRITTEN = {"reference": 0, "method_chain": 0, "max_values": 2 * LAYERS}
-# The spellings today's passes leave unfused (in fp32 and bf16) that matching the collapse by evaluation must take:
-# no gated mean here is found as a collapse. (The broadcasting ``@`` / ``bmm`` weighted sums fuse: their bmm is
-# rewritten to a gated sum whose ``[T, 1, S]`` output reaches the quant through a squeeze, a regrouping of token
-# rows that the quant's evaluation compares row by row.)
-NEEDS_EVALUATION = set(GATED_MEANS)
-XFAIL = pytest.mark.xfail(strict=True, reason="needs matching by evaluation (#26 item 1/2)")
 # Representatives of each family run in the quick run (the issue's three misses among them); the rest, ~2-5 s a
 # compile each, are left to the thorough one.
 QUICK = {"vllm_upcast_first", "maximum_floor", "vllm_native_reciprocal", "einsum", "fp32_einsum"}
 
 
 def cases(names: list[str]) -> list:
-    """``(name, dtype)`` params, NEEDS_EVALUATION's marked xfail, all but QUICK's marked thorough."""
+    """``(name, dtype)`` params, all but QUICK's marked thorough."""
     params = []
     for name in names:
         for dtype in DTYPES:
-            marks = [XFAIL] if name in NEEDS_EVALUATION else []
-            if name not in QUICK:
-                marks.append(pytest.mark.thorough)
+            marks = [] if name in QUICK else [pytest.mark.thorough]
             params.append(pytest.param(name, dtype, marks=marks, id=f"{name}-{dtype}"))
     return params
 
@@ -123,6 +114,8 @@ def test_every_gated_mean_spelling_fuses_with_its_quant(collapse: str, dtype: to
     model, ids = GatedMeanHC(collapse, "reference", LAYERS, dtype), token_ids()
     report, graph, out = compiled_graph_and_output(model, ids)
     assert_collapses_fused(report, graph)
+    by_evaluation = f"of them found by evaluation (no pattern matched): {2 * LAYERS + 1}"
+    assert by_evaluation in report.record("gated_mean_quant").notes, report
     assert_matches_eager(model, ids, out, dtype)
 
 

@@ -405,16 +405,12 @@ def _difference(
     n, width = streams.shape[1], streams.shape[2]
     terms = (torch.sigmoid(gate.double()) / n if inputs.normed else gate.double().unsqueeze(-1)) * streams.double()
     exact = terms.sum(1)
-    shape_streams = value_of(inputs.streams).shape
-    graph_streams = (
-        streams.reshape(*probe_tokens, n, width)
-        if len(shape_streams) > len(probe_tokens) + 1
-        else (streams.reshape(*probe_tokens, n * width))
-    )
-    graph_gate = gate.reshape(*probe_tokens, *value_of(inputs.gate).shape[len(probe_tokens) :])
-    try:
+    stacked = value_of(inputs.streams).dim() > len(probe_tokens) + 1
+    try:  # any op may refuse a probe input; that is a difference too, reported as such
+        graph_streams = streams.reshape(*probe_tokens, n, width) if stacked else streams.reshape(*probe_tokens, -1)
+        graph_gate = gate.reshape(*probe_tokens, *value_of(inputs.gate).shape[len(probe_tokens) :])
         x = _run(steps, root, inputs, graph_gate, graph_streams)
-    except Exception as err:  # any op may refuse a probe input; that is a difference too, reported as such
+    except Exception as err:
         return f"it raised {type(err).__name__}: {err}"
     if not isinstance(x, torch.Tensor) or x.dtype != x_dtype or x.numel() != exact.numel():
         return f"x {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}, the collapse's {tuple(exact.shape)}"
