@@ -145,3 +145,15 @@ def test_nodes_of_collapses_found_otherwise_are_not_tried() -> None:
     )
     [match], _ = find_by_evaluation(gm.graph, set())
     assert find_by_evaluation(gm.graph, set(match.nodes) | {match.root}) == ([], [])
+
+
+def test_a_graph_with_no_collapse_reports_its_near_misses() -> None:
+    """A model whose collapse nothing takes: the fusion's report names the near miss and its probe."""
+    torch._dynamo.reset()
+    be = hcpasses.backend()
+    with torch.no_grad(), passes_run_every_compile():
+        torch.compile(divided_by_three, backend=be)(torch.randn(7, N * S), torch.randn(7, N * S))
+    record = be.reports[0].record("gated_mean_quant")
+    assert record.applied == 0 and record.reason.startswith("no HC stream collapse"), record
+    [note] = [note for note in record.notes if note.startswith("collapse-shaped values that evaluate otherwise")]
+    assert "left out: 1 (" in note and "differs from the collapse on the probe 'mixed magnitudes'" in note, note

@@ -87,8 +87,9 @@ class GatedMeanQuantFusion(GraphPass):
     def run(self, graph: fx.Graph, config: HCPassesConfig) -> PassResult:
         if self._fuser is None:
             self._fuser = self._build_fuser()
-        found = sum(1 for c in self._finder.find(graph) if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM))
-        found_notes = self._finder.evaluation_notes()
+        collapses = self._finder.find(graph)
+        found = sum(1 for c in collapses if c.root.target not in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM))
+        found_notes = self._finder.evaluation_notes(len(collapses))
         by_pattern = self._fuser.apply(graph)
         collapses = self._finder.find(graph)
         lookalikes = self._finder.lookalike_note()

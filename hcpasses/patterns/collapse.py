@@ -267,12 +267,15 @@ class CollapseFinder:
         self.lookalikes = sorted((p for p in self.lookalikes if p[0] not in inside), key=lambda pair: order[pair[0]])
         return sorted(found, key=lambda c: order[c.root])
 
-    def evaluation_notes(self) -> tuple[str, ...]:
-        """Lines on what the last ``find`` decided by evaluation: collapses found, near misses (the first few)."""
+    def evaluation_notes(self, found: int) -> tuple[str, ...]:
+        """Lines on what the last ``find`` decided by evaluation: the collapses it found and, when no collapse at all
+        was ``found`` (a model whose spelling nothing takes), the near misses (the first few). Beside found
+        collapses a near miss is most often a value computed from the blocks' streams (a GEMM of the normed
+        streams), not a collapse spelled otherwise, so it is left out of the report."""
         notes: tuple[str, ...] = ()
         if self.evaluated:
             notes += (f"of them found by evaluation (no pattern matched): {self.evaluated}",)
-        if self.near_misses:
+        if self.near_misses and not found:
             shown = "; ".join(map(str, self.near_misses[:3])) + ("; ..." if len(self.near_misses) > 3 else "")
             notes += (f"collapse-shaped values that evaluate otherwise, left out: {len(self.near_misses)} ({shown})",)
         return notes

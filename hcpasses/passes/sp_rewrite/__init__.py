@@ -92,9 +92,9 @@ class SPRewrite(GraphPass):
             return PassResult(0, "not distributed (tp = 1): nothing to shard")
         collapses = self._finder.find(graph)
         if not collapses:
-            return PassResult(0, "no HC block (stream collapse) in this graph")
+            return PassResult(0, "no HC block (stream collapse) in this graph", self._finder.evaluation_notes(0))
         reduces = find_all_reduces(graph)
-        notes = [f"HC blocks (collapses) found: {len(collapses)}", *self._finder.evaluation_notes()]
+        notes = [f"HC blocks (collapses) found: {len(collapses)}", *self._finder.evaluation_notes(len(collapses))]
         notes += [f"all-reduces: {0 if isinstance(reduces, NotShardable) else len(reduces)}"]
         lookalikes = self._finder.lookalike_note()
         if lookalikes:
