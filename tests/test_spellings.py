@@ -164,3 +164,40 @@ def test_odd_forms_at_three_streams_are_sharded_and_fused_only_within_one_roundi
         assert_same_as_sp_off(got, want, fp8=True, eager=[expected])
         tol = 3e-2 if dtype == torch.float32 else 0.1  # one e4m3 step on a flipped code; bf16 adds its rounding
         torch.testing.assert_close(got[0].float(), expected.float(), rtol=tol, atol=tol)
+
+
+def fixed_weight_mean(u: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
+    """Gated streams weighed by fixed per-stream constants (0.5, 0.3, 0.2): no HC collapse (evaluation tells it
+    from the mean), but a block SP sees the streams branch into."""
+    gated = torch.sigmoid(u).unflatten(-1, (n, hidden)) * xn.unflatten(-1, (n, hidden))
+    return sum(gated[..., s, :] * w for s, w in enumerate((0.5, 0.3, 0.2)))
+
+
+def test_an_unrecognised_block_ends_the_region_and_keeps_its_all_reduce() -> None:
+    """SP must not compute an unrecognised block's sub-layer TP partial sums on row shards (no collective can
+    combine them): the region ends where the streams enter that block, which runs on all rows with its
+    all-reduce, and the next recognised block starts another region."""
+    plain = BlockSpelling("rsqrt", "unflatten_mean", "reference")
+    blocks = [plain, plain, plain, BlockSpelling("gemma", "unflatten_mean", None)]
+    final = BlockSpelling("rsqrt", "unflatten_mean", None)
+    ids = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(3))
+
+    def model(rank: int, size: int) -> SpelledHC:
+        spelled = SpelledHC(blocks, final, None, torch.float32, size, rank, n=3)
+        spelled.blocks[1].collapse = fixed_weight_mean
+        return spelled
+
+    sharded = capture_with_passes(model, lambda rank, size: (ids,), 2, HCPassesConfig(sp_min_tokens=1), codegen=False)
+    report, graph = sharded.report, sharded.graphs[0]
+    fusion = report.record("gated_mean_quant")
+    assert fusion.notes[0] == "HC stream collapses found: 4", fusion.notes
+    assert fusion.applied == 2 == fused_op_count(graph), report
+    sp = report.record("sp_rewrite")
+    assert sp.status == "applied" and sp.applied == 4 and sp.facts.get("cuts", 0) == 1, sp.notes
+    assert any("feeds the TP partial sum" in note for note in sp.notes), sp.notes
+    assert collective_counts(graph) == {"all_reduce": 1, "reduce_scatter": 3, "all_gather": 2 * 2 + 3}, sp.notes
+    with torch.no_grad():
+        expected = model(0, 1)(ids)
+    outputs = simulate(sharded.graphs, sharded.inputs)
+    for got in outputs:
+        torch.testing.assert_close(got[0].float(), expected.float(), rtol=3e-2, atol=3e-2)  # one e4m3 step

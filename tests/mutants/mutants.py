@@ -172,8 +172,7 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         new="""            (None for match in reduces),  # the partial-sum check dropped
 """,
-        tests=("tests/test_spellings.py::test_forms_that_would_change_numerics_are_left_alone_at_three_streams",),
-        k="fp32_sum",
+        tests=("tests/test_spellings.py::test_an_unrecognised_block_ends_the_region_and_keeps_its_all_reduce",),
     ),
     Mutant(
         name="finder_counts_lookalikes",
