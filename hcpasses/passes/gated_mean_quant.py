@@ -23,7 +23,9 @@ DeepSeek-V4 mHC collapse (``sum_s w_s * h_s``, scalar fp32 gates) -> ``hcpasses.
 Applies when: the collapse is exactly one of the patterns in ``hcpasses.patterns.gated_mean`` in
 fp32, bf16 or fp16 (both inputs of that dtype; mHC gates fp32) whose values the fused op gives (a bf16
 ``sum / n`` is the mean only when n is a power of two), on ``[..., n*S]`` (or stacked
-``[..., n, S]``) streams with static n and S, and the quant that follows computes the DESIGN §5 convention.
+``[..., n, S]``) streams with static n and S, or any other spelling that the collapse finder takes by evaluation
+(``hcpasses.patterns.collapse_evaluation``: values within the formula's rounding, x in the streams' dtype), and
+the quant that follows computes the DESIGN §5 convention.
 The quant is found two ways: the traced patterns (the quant as ``hcpasses.kernels.contract`` spells it), then,
 for a collapse no pattern fused, by evaluation (``hcpasses.patterns.quant_evaluation``): the sub-DAG from the
 collapse output to a downstream FP8 cast, whatever its ops, run on probe rows and accepted when its codes and

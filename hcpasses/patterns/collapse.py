@@ -3,7 +3,8 @@
 A collapse turns the n streams ``[..., n*S]`` (or stacked ``[..., n, S]``) into the sub-layer input
 ``x [..., S]``; the leading dims are the tokens (``[T]`` or ``[batch, seq]``). It is found either
 unfused (one of the plain-torch patterns of ``hcpasses.patterns.gated_mean``, traced per activation
-dtype) or already fused (``torch.ops.hcpasses.gated_mean_quant`` / ``weighted_sum_quant``). Every match
+dtype), already fused (``torch.ops.hcpasses.gated_mean_quant`` / ``weighted_sum_quant``), or, spelled any other
+way, by evaluation among the nodes no pattern took (``hcpasses.patterns.collapse_evaluation``). Every match
 is checked beyond the pattern (``stream_split``): the reshapes split ``[..., n*S]`` into ``[..., n, S]``
 with static n and S, the gate has the streams' leading dims, the reductions run over the stream dim,
 dtypes are the registered ones.
