@@ -113,8 +113,11 @@ def test_symbolic_token_sizes_are_probed_with_small_values() -> None:
     torch._dynamo.reset()
     be = hcpasses.backend()
     with torch.no_grad(), passes_run_every_compile():
-        out = torch.compile(model, backend=be, dynamic=True)(ids)
+        compiled = torch.compile(model, backend=be, dynamic=True)
+        out = compiled(ids)
         expected = model(ids)
+        compiled(torch.randint(0, 64, (13,)))  # evaluation guards on no symbolic size: no recompile
+    assert len(be.reports) == 1, [str(report) for report in be.reports]
     notes = be.reports[0].record("gated_mean_quant").notes
     assert notes[:2] == ("HC stream collapses found: 5", "of them found by evaluation (no pattern matched): 5"), notes
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

@@ -225,7 +225,12 @@ def _stream_count(node: fx.Node, tokens: tuple[object, ...], width: int) -> int 
     lead = len(tokens)
     if val.dim() == lead + 1 and isinstance(val.shape[-1], int) and val.shape[-1] % width == 0:
         n = val.shape[-1] // width
-    elif val.dim() == lead + 2 and val.shape[-1] == width and isinstance(val.shape[-2], int):
+    elif (
+        val.dim() == lead + 2
+        and isinstance(val.shape[-1], int)
+        and val.shape[-1] == width
+        and isinstance(val.shape[-2], int)
+    ):
         n = val.shape[-2]
     else:
         return None
