@@ -56,7 +56,6 @@ class CollapseMatch:
     n: int
     normed: bool
     nodes: frozenset[fx.Node]
-    probes: int
 
     @property
     def refusal(self) -> str | None:
@@ -301,7 +300,7 @@ def _evaluate(
         detail = _difference(steps, root, inputs, gate, streams, probe_tokens)
         if detail is not None:
             return CollapseNearMiss(root, name, detail, nodes)
-    return CollapseMatch(root, inputs.gate, inputs.streams, inputs.n, inputs.normed, nodes, len(probes))
+    return CollapseMatch(root, inputs.gate, inputs.streams, inputs.n, inputs.normed, nodes)
 
 
 def _probe_plan(
