@@ -56,19 +56,36 @@ def test_qwen4_exp_breaks_only_in_the_qsa_indexer() -> None:
 # output, not of the collapse, which the fused ops (collapse + quant of x) do not cover; the head has no quant.
 # The fusion's reason names each unfused collapse and what follows it (EXPECTED_FUSION_REASON: how many
 # collapses have no FP8 quant after them, and the ops every "FP8 cast follows" path must show).
-EXPECTED_PASSES: dict[str, dict[str, tuple[str, int, str | None]]] = {
-    "qwen4_exp": {
+#
+# Under torch.compile on torch 2.11, transformers' GatedDeltaNet takes its export path, the torch chunk loop
+# (seen on the H200 machine, 2026-12-03: 1628 post-grad nodes against 598 on torch 2.13; the same graph as
+# ``test_qwen4_exp_delta_rule_loop_is_not_counted_as_hc_blocks`` makes on 2.13 by mocking the export check).
+DELTA_RULE_LOOP_UNDER_COMPILE = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
+NOT_DISTRIBUTED = "not distributed (tp = 1): nothing to shard"
+QWEN4_EXP_PASSES = (
+    {
+        # the chunk loop leaves no fp32 -> fp32 convert, and one unused select of its output buffer
+        "canonical_forms": ("unchanged", 0, None),
+        "gated_mean_quant": ("applied", 2, None),
+        "sp_rewrite": ("unchanged", 0, NOT_DISTRIBUTED),
+        "cleanup": ("applied", 1, None),
+    }
+    if DELTA_RULE_LOOP_UNDER_COMPILE
+    else {
         # one fp32 -> fp32 convert left in the fp32 model's graph (dropped: a no-op)
         "canonical_forms": ("applied", 1, None),
         "gated_mean_quant": ("applied", 2, None),
-        "sp_rewrite": ("unchanged", 0, "not distributed (tp = 1): nothing to shard"),
+        "sp_rewrite": ("unchanged", 0, NOT_DISTRIBUTED),
         "cleanup": ("unchanged", 0, "no unused pure nodes"),
-    },
+    }
+)
+EXPECTED_PASSES: dict[str, dict[str, tuple[str, int, str | None]]] = {
+    "qwen4_exp": QWEN4_EXP_PASSES,
     "deepseek_v4": {
         # one torch.max(...).values whose indices nothing reads (exact rewrite to amax)
         "canonical_forms": ("applied", 1, None),
         "gated_mean_quant": ("unchanged", 0, None),
-        "sp_rewrite": ("unchanged", 0, "not distributed (tp = 1): nothing to shard"),
+        "sp_rewrite": ("unchanged", 0, NOT_DISTRIBUTED),
         "cleanup": ("unchanged", 0, "no unused pure nodes"),
     },
 }
@@ -82,6 +99,9 @@ EXPECTED_FUSION_NOTES = {
     ),
     "deepseek_v4": ("HC stream collapses found: 3", "fused with a per-token FP8 quant: 0"),
 }
+# The chunk loop's forward substitution: one gated sum per row i = 1 .. 63 of a 64-token chunk (transformers'
+# chunk size), each in the stacked mHC form but over [batch, heads, chunks, i, i].
+DELTA_RULE_LOOKALIKES = "collapse-shaped sums that are no HC stream collapse, left out: 63"
 EVALUATION_TIME = re.compile(r"quants judged by evaluation after (\d+) collapses: \d+\.\d ms")
 
 
@@ -130,7 +150,10 @@ def test_hcpasses_backend_matches_eager(family: str, batch: int) -> None:
             assert record.reason == reason, f"{name}:\n{report}"
     # collapses judged by evaluation: those no traced pattern fused (qwen4_exp: the MoE's and the final mixer's)
     notes = fusion_counts(report.record("gated_mean_quant").notes, judged=2 if family == "qwen4_exp" else 3)
-    assert notes == EXPECTED_FUSION_NOTES[family], str(report)
+    if family == "qwen4_exp" and DELTA_RULE_LOOP_UNDER_COMPILE:
+        *notes, lookalikes = notes
+        assert lookalikes.startswith(f"{DELTA_RULE_LOOKALIKES} "), str(report)
+    assert tuple(notes) == EXPECTED_FUSION_NOTES[family], str(report)
     reason = report.record("gated_mean_quant").reason
     expected_reason = EXPECTED_FUSION_REASON[family]
     assert reason.startswith("not fused: "), reason
@@ -167,9 +190,8 @@ def test_qwen4_exp_delta_rule_loop_is_not_counted_as_hc_blocks() -> None:
     graph = captured.graphs[0].graph
     assert sum(1 for node in graph.nodes if "torch_chunk_gated_delta_rule" in (node.meta.get("stack_trace") or "")) > 0
     fusion = captured.report.record("gated_mean_quant")
-    chunk = 64  # transformers' chunk size: i = 1 .. 63
     *counts, lookalikes = fusion_counts(fusion.notes, judged=2)
     assert tuple(counts) == EXPECTED_FUSION_NOTES["qwen4_exp"], fusion.notes
-    assert lookalikes.startswith(f"collapse-shaped sums that are no HC stream collapse, left out: {chunk - 1} ")
+    assert lookalikes.startswith(f"{DELTA_RULE_LOOKALIKES} ")
     assert "3 leading dims" in lookalikes, fusion.notes
     assert fusion.applied == 2 == sum(1 for node in graph.nodes if node.target is FUSED_OPS["qwen4_exp"])
