@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from corpus.gated_residual import NORMS
+import torch.nn.functional as F
+from corpus.gated_residual import NORMS, GatedResidual
 from corpus.quants import QUANTS
 from corpus.spelled import COLLAPSES, BlockSpelling, SpelledHC
 from harness import simulate
@@ -200,4 +201,72 @@ def test_an_unrecognised_block_ends_the_region_and_keeps_its_all_reduce() -> Non
         expected = model(0, 1)(ids)
     outputs = simulate(sharded.graphs, sharded.inputs)
     for got in outputs:
+        torch.testing.assert_close(got[0].float(), expected.float(), rtol=3e-2, atol=3e-2)  # one e4m3 step
+
+
+def padded_linear(x: torch.Tensor, w: torch.Tensor, align: int = 16) -> torch.Tensor:
+    """``F.linear(x, w)`` as Inductor's ``pad_mm`` writes a GEMM on CUDA: K and N padded with zeros up to
+    multiples of ``align``, the output sliced back to N columns (row-local: no token row moves)."""
+    n_out, k = w.shape
+    pad_k, pad_n = -k % align, -n_out % align
+    return F.linear(F.pad(x, (0, pad_k)), F.pad(w, (0, pad_k, 0, pad_n)))[..., :n_out]
+
+
+class PaddedGemmResidual(GatedResidual):
+    """A ``GatedResidual`` whose three GEMMs are padded as ``pad_mm`` pads them; ``row_pad`` pads the token rows
+    too: ``"align"`` up to a multiple of 16, sliced back after (what ``pad_mm`` does when M is not aligned),
+    ``"shift"`` one row down (a token shift, as RWKV writes it: the row count stays)."""
+
+    row_pad: str | None = None
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = self.norm(h.unflatten(-1, (self.n, self.hidden)), self.norm_weight, 1e-6).flatten(-2)
+        rows = normed.shape[0]
+        pad = {None: None, "align": (0, 0, 0, -rows % 16), "shift": (0, 0, 1, -1)}[self.row_pad]
+        padded = normed if pad is None else F.pad(normed, pad)
+        gate_logits = padded_linear(F.silu(padded_linear(padded, self.down) / self.n), self.up)[:rows]
+        inject = 2 * torch.sigmoid(padded_linear(padded, self.inject)[:rows] / self.n)
+        return self.collapse(gate_logits, normed, self.n, self.hidden), inject
+
+
+@pytest.mark.parametrize(
+    ("row_pad", "cut"),
+    [
+        (None, None),
+        ("align", "result (16, 96) does not lead with the 9 tokens"),
+        ("shift", "pads a token dim"),
+    ],
+    ids=["pads_k_and_n", "pads_token_rows", "shifts_token_rows"],
+)
+def test_gemms_padded_as_pad_mm_pads_them(row_pad: str | None, cut: str | None) -> None:
+    """Inductor's ``pad_mm`` (CUDA only, before hcpasses sees the graph) pads the HC GEMMs' K and N with
+    ``constant_pad_nd``: SP shards such a block like any other (the real-size DeepSeek-V4 on the H200). A pad of
+    the token rows is not row-local, whether it changes the row count or shifts the rows: the region is cut at the
+    pad, the block runs on all rows with its all-reduce, and the report names the pad."""
+    plain = BlockSpelling("rsqrt", "unflatten_mean", "reference")
+    final = BlockSpelling("rsqrt", "unflatten_mean", None)
+    ids = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(3))
+
+    def model(rank: int, size: int) -> SpelledHC:
+        spelled = SpelledHC([plain] * 4, final, None, torch.float32, size, rank, n=3)
+        spelled.blocks[2].__class__ = PaddedGemmResidual
+        spelled.blocks[2].row_pad = row_pad
+        return spelled
+
+    sharded = capture_with_passes(model, lambda rank, size: (ids,), 2, HCPassesConfig(sp_min_tokens=1), codegen=False)
+    report, graph = sharded.report, sharded.graphs[0]
+    assert any(node.target is torch.ops.aten.constant_pad_nd.default for node in graph.graph.nodes)
+    sp = report.record("sp_rewrite")
+    # 4 fused blocks gather their FP8 codes and scales, the final mixer its x
+    if cut is None:
+        assert sp.status == "applied" and sp.applied == 5 and not sp.facts.get("cuts"), sp.notes
+        assert collective_counts(graph) == {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 4 * 2 + 1}, sp.notes
+    else:
+        note = f"region cut at constant_pad_nd (aten.constant_pad_nd.default): {cut}"
+        assert note in sp.notes, sp.notes
+        assert sp.applied == 4, sp.notes
+        assert collective_counts(graph) == {"all_reduce": 1, "reduce_scatter": 3, "all_gather": 4 * 2 + 1}, sp.notes
+    with torch.no_grad():
+        expected = model(0, 1)(ids)
+    for got in simulate(sharded.graphs, sharded.inputs):
         torch.testing.assert_close(got[0].float(), expected.float(), rtol=3e-2, atol=3e-2)  # one e4m3 step

@@ -173,6 +173,17 @@ def _bmm(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
     return None if k_out == 1 else NotShardable("a batched GEMM whose batch dim is not the tokens", node)
 
 
+def _pad(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
+    """A constant pad of the dims under the tokens keeps each row's values in its row: Inductor's ``pad_mm``
+    (CUDA only) writes one on each operand of a GEMM whose K or N is not a multiple of 8 (bf16) / 4 (fp32)."""
+    pads = node.args[1]  # (before, after) pairs from the last dim backwards
+    ndim = value_of(node.args[0]).dim()
+    padded = [ndim - 1 - i // 2 for i, size in enumerate(pads) if not (isinstance(size, int) and size == 0)]
+    if any(dim < k for dim in padded):
+        return NotShardable("pads a token dim", node)
+    return None
+
+
 OP_RULES: dict[Any, Callable[[RowRules, fx.Node, int], NotShardable | None]] = {
     **dict.fromkeys(SIZE_OPS, _resize),
     **dict.fromkeys(DIM_OPS, _along_dim),
@@ -180,4 +191,5 @@ OP_RULES: dict[Any, Callable[[RowRules, fx.Node, int], NotShardable | None]] = {
     **dict.fromkeys(REDUCTIONS, _reduction),
     aten.mm.default: _mm,
     aten.bmm.default: _bmm,
+    aten.constant_pad_nd.default: _pad,
 }
