@@ -253,6 +253,8 @@ def pass_summary(backend: Any) -> dict[str, Any]:
         "passes_s": sum(record.seconds for r in reports for record in r.passes),
         "applied": [r.applied for r in reports],
         "graphs": len(reports),
+        # the whole report of every graph: why a pass did not apply is in it, not only that it did not
+        "reports": [str(r) for r in reports],
     }
 
 

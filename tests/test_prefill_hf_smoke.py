@@ -85,6 +85,7 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
             assert "error" not in row, (variant, row["error"])
             assert row["kernels"] > 0 and row["kernel_ms"] > 0 and row["compile_s"] > 0
             assert row["sp_applied"] == (variant == "hcpasses_sp" and case["tp"] == 2), (case["tp"], variant)
+            assert len(row["reports"]) == row["graphs"] and all("sp_rewrite" in text for text in row["reports"])
             assert (row["comm_ms"] > 0) == (case["tp"] == 2)
         assert 0 < case["hc_share"] < 1 and case["hc_bound"] == pytest.approx(case["hc_share"] * (1 - 1 / case["tp"]))
     sharded = report["cases"][1]["variants"]
