@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from hcpasses.patterns.quant_evaluation import MAX_PROBE_ELEMENTS, PROBE_ROWS, SIZED_OPS, regroups_rows
-from hcpasses.patterns.tracing import same_sizes, value_of
+from hcpasses.patterns.tracing import same_sizes, sub_dag, value_of
 
 MAX_STREAMS = 16  # HC models carry a handful of residual streams (n = 4 in both target models)
 MAX_COLLAPSE_NODES = 96  # a Python loop over 16 streams is ~70 nodes
@@ -241,19 +241,8 @@ def _stream_count(node: fx.Node, tokens: tuple[object, ...], width: int) -> int 
 
 def _sub_dag(root: fx.Node, inputs: _Inputs, taken: set[fx.Node], index: _GraphIndex) -> frozenset[fx.Node] | None:
     """The nodes between the inputs and ``root`` when they read nothing else but constants and sizes."""
-    sources = {inputs.gate, inputs.streams}
-    seen: set[fx.Node] = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if node in seen or node in sources:
-            continue
-        if node.op not in ("call_function", "get_attr") or node in taken or len(seen) >= MAX_COLLAPSE_NODES:
-            return None
-        seen.add(node)
-        stack.extend(index.inputs[node])
-    read = {i for node in seen for i in index.inputs[node]}
-    return frozenset(seen) if sources <= read else None
+    nodes = sub_dag(root, (inputs.gate, inputs.streams), index.inputs.__getitem__, MAX_COLLAPSE_NODES, taken)
+    return None if isinstance(nodes, str) else nodes
 
 
 def probe_inputs(rows: int, n: int, width: int, normed: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

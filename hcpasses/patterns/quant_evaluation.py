@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hcpasses.kernels.contract import FP8_DTYPE, FP8_MAX, MIN_SCALE, per_token_quant
-from hcpasses.patterns.tracing import value_of
+from hcpasses.patterns.tracing import sub_dag, value_of
 
 # Sub-DAGs larger than this are no per-token quant (the vLLM reference is 8 nodes; the longest spellings seen ~20).
 MAX_QUANT_NODES = 48
@@ -141,22 +141,11 @@ def judge_quant(source: fx.Node, codes: fx.Node) -> Judgement:
 
 def _sub_dag(source: fx.Node, codes: fx.Node) -> tuple[fx.Node, ...] | str:
     """The nodes between ``source`` and ``codes`` (graph order), or why ``codes`` is not a function of it alone."""
-    seen: set[fx.Node] = set()
-    stack = [codes]
-    while stack:
-        node = stack.pop()
-        if node in seen or node is source:
-            continue
-        if node.op not in ("call_function", "get_attr"):  # get_attr: a constant tensor
-            return f"reads {node.name} ({node.op}) besides {source.name}"
-        seen.add(node)
-        if len(seen) > MAX_QUANT_NODES:
-            return f"more than {MAX_QUANT_NODES} nodes between {source.name} and it"
-        stack.extend(_value_inputs(node))
-    if not any(source in _value_inputs(node) for node in seen):
-        return f"does not read {source.name}"
+    nodes = sub_dag(codes, (source,), _value_inputs, MAX_QUANT_NODES)
+    if isinstance(nodes, str):
+        return nodes
     order = {node: i for i, node in enumerate(codes.graph.nodes)}
-    return tuple(sorted(seen, key=order.__getitem__))
+    return tuple(sorted(nodes, key=order.__getitem__))
 
 
 def _value_inputs(node: fx.Node) -> list[fx.Node]:

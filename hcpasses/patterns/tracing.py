@@ -16,7 +16,7 @@ behaviour we rely on (a pattern traced here matches the graphs Inductor hands us
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -87,3 +87,35 @@ def reduces_dim(node: fx.Node, ndim: int, dim: int) -> bool:
     if not isinstance(dims, (list, tuple)) or len(dims) != 1 or static_int(dims[0]) is None:
         return False
     return dims[0] % ndim == dim % ndim
+
+
+def sub_dag(
+    root: fx.Node,
+    sources: Collection[fx.Node],
+    inputs_of: Callable[[fx.Node], Iterable[fx.Node]],
+    limit: int,
+    stop: Collection[fx.Node] = (),
+) -> frozenset[fx.Node] | str:
+    """The nodes between ``sources`` and ``root`` (``root`` in, ``sources`` out), when every path up from ``root``
+    ends in a source or a constant and each source is read; else why not. ``inputs_of`` says which inputs a node's
+    values come from (the evaluations skip size operands), ``stop`` holds nodes the sub-DAG must not reach.
+    Shared by the collapse and the quant found by evaluation: both run the sub-DAG on probes, so it must read
+    nothing else."""
+    names = " and ".join(source.name for source in sources)
+    seen: set[fx.Node] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in sources:
+            continue
+        if node.op not in ("call_function", "get_attr"):  # get_attr: a constant tensor
+            return f"reads {node.name} ({node.op}) besides {names}"
+        if node in stop:
+            return f"reaches {node.name}, already taken"
+        seen.add(node)
+        if len(seen) > limit:
+            return f"more than {limit} nodes between {names} and it"
+        stack.extend(inputs_of(node))
+    read = {i for node in seen for i in inputs_of(node)}
+    unread = [source.name for source in sources if source not in read]
+    return f"does not read {', '.join(unread)}" if unread else frozenset(seen)
