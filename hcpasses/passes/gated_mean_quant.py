@@ -104,11 +104,16 @@ class GatedMeanQuantFusion(GraphPass):
             if isinstance(judged.get(collapse.root), QuantMatch):
                 fuse_matched_quant(graph, collapse, judged[collapse.root])
         fused = by_pattern + len(evaluated)
+        shared, unshared = share_fused_quants(graph) if fused else (0, [])
         notes: tuple[str, ...] = (f"HC stream collapses found: {found}", *found_notes)
         notes += (f"fused with a per-token FP8 quant: {fused}",)
         if evaluated:
             probes = evaluated[0].probes
             notes += (f"of them matched by evaluation ({probes} probes): {len(evaluated)}",)
+        if shared or unshared:
+            notes += (f"other FP8 quants of a fused x served by the fused codes and scales: {shared}",)
+        if unshared:
+            notes += (f"other FP8 quants of a fused x left as they are: {'; '.join(unshared)}",)
         if judged:  # the cost of evaluation (issue #26: passes stay within 10 % of Inductor's compile time)
             notes += (f"quants judged by evaluation after {len(judged)} collapses: {evaluation_ms:.1f} ms",)
         if lookalikes:
@@ -137,6 +142,69 @@ def _downstream_fp8_casts(root: fx.Node) -> list[fx.Node]:
         frontier = [user for node in frontier for user in node.users if user not in seen and not seen.add(user)]
         casts += [node for node in frontier if _is_fp8_cast(node)]
     return casts
+
+
+def _is_quant_cast(node: fx.Node) -> bool:
+    """An FP8 value made from values that are not FP8 (a cast, not a view of codes)."""
+    return _is_fp8_cast(node) and not any(_is_fp8_cast(i) for i in node.all_input_nodes)
+
+
+def share_fused_quants(graph: fx.Graph) -> tuple[int, list[str]]:
+    """Let every other per-token FP8 quant of a fused op's x read the fused op's codes and scales: x is quantised
+    once however many FP8 projections read it (an ``Fp8Linear`` quantises its input per projection, and a
+    GatedDeltaNet has several). A quant qualifies by evaluation: bit-identical to the contract on every probe, as
+    the fused op is, so no value changes. Returns how many quants now read the fused outputs, and why the others
+    found do not (no fused output of their shape, or one defined after their readers)."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    shared, unshared, planned = 0, [], set()
+    for fused in [node for node in graph.nodes if node.target in (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)]:
+        outputs = {user.args[1]: user for user in fused.users if user.target is operator.getitem}
+        if 0 not in outputs or 1 not in outputs:
+            continue
+        xs, codes, scales = (_with_views(outputs.get(i)) for i in range(3))
+        for cast in _downstream_fp8_casts(outputs[0]):
+            if cast in planned or cast in codes or not _is_quant_cast(cast):
+                continue
+            quant = next((j for x in reversed(xs) if isinstance(j := judge_quant(x, cast), QuantMatch)), None)
+            if quant is None:
+                continue
+            planned.update(quant.nodes)
+            why = _serve(graph, quant, codes, scales, order)
+            shared += why is None
+            unshared += [] if why is None else [f"{cast.name}: {why}"]
+    return shared, unshared
+
+
+def _with_views(node: fx.Node | None) -> list[fx.Node]:
+    """``node`` and its reshapes (the fused outputs viewed back to the shapes the graph reads)."""
+    if node is None:
+        return []
+    return [node, *(user for user in node.users if user.target in (aten.reshape.default, aten.view.default))]
+
+
+def _serve(graph: fx.Graph, quant: QuantMatch, codes: list[fx.Node], scales: list[fx.Node], order: dict) -> str | None:
+    """Rewire ``quant``'s readers to the fused outputs of the same shape and erase its nodes, and x's view and
+    the fused op's x when nothing else reads them; or why not."""
+    pairs = [(quant.codes, codes)] + ([(quant.scale, scales)] if quant.scale is not None else [])
+    served = {old: _same_shape(old, candidates) for old, candidates in pairs}
+    if any(new is None for new in served.values()):
+        return "no fused output of its shape"
+    if any(order[new] > min(order[user] for user in old.users) for old, new in served.items() if old.users):
+        return "the fused outputs are defined after its readers"
+    for old, new in served.items():
+        old.replace_all_uses_with(new)
+    _erase_unused(graph, (*quant.nodes, quant.source), stop=set())
+    return None
+
+
+def _same_shape(node: fx.Node, candidates: list[fx.Node]) -> fx.Node | None:
+    want = value_of(node)
+    for candidate in candidates:
+        have = value_of(candidate)
+        if have.dtype == want.dtype and len(have.shape) == len(want.shape):
+            if all(statically_known_true(a == b) for a, b in zip(have.shape, want.shape, strict=True)):
+                return candidate
+    return None
 
 
 def _quant_by_evaluation(collapse: FoundCollapse) -> Judgement | None:

@@ -90,12 +90,15 @@ EXPECTED_PASSES: dict[str, dict[str, tuple[str, int, str | None]]] = {
     },
 }
 # The fusion's notes: the collapses it found and how many it fused (3 collapses per family, see above), besides
-# the time evaluation took (EVALUATION_TIME: checked by its shape, the number varies).
+# the time evaluation took (EVALUATION_TIME: checked by its shape, the number varies). qwen4_exp's fused x's are
+# each read by several FP8 linears (GatedDeltaNet's 4 in-projections, the shared expert's gate and up): one quant
+# is fused, the other 4 read the fused codes and scales.
 EXPECTED_FUSION_NOTES = {
     "qwen4_exp": (
         "HC stream collapses found: 3",
         "fused with a per-token FP8 quant: 2",
         "of them matched by evaluation (7 probes): 1",
+        "other FP8 quants of a fused x served by the fused codes and scales: 4",
     ),
     "deepseek_v4": ("HC stream collapses found: 3", "fused with a per-token FP8 quant: 0"),
 }
@@ -117,6 +120,7 @@ EXPECTED_FUSION_REASON = {
     # head; attention and MoE collapses: x * rsqrt(mean(x^2) + eps) * w, then the quant's division
     "deepseek_v4": {"no quant": 1, "cast through": ["mul -> mul -> div", "mul -> mul -> div"]},
 }
+EXPECTED_FP8_CASTS_LEFT = {"qwen4_exp": 0, "deepseek_v4": 4}
 # The fused op each family's collapse becomes: the gated mean (qwen4_exp) or the mHC weighted sum.
 FUSED_OPS = {
     "qwen4_exp": torch.ops.hcpasses.gated_mean_quant.default,
@@ -167,6 +171,12 @@ def test_hcpasses_backend_matches_eager(family: str, batch: int) -> None:
     # Each reported fusion is one fused op in the lowered graph, and its FP8 codes and scales are used.
     assert len(lowered.graphs) == 1
     graph = lowered.graphs[0].graph
+    # x is quantised once: in qwen4_exp no FP8 cast is left (every quant fused or served). deepseek_v4's quants
+    # read its sub-layer RMSNorm outputs, not a collapse's x: all 4 remain (q_a_proj and the KV projection, the
+    # shared expert's gate and up; two quants of each norm output, which only a sharing of any source would merge)
+    casts = [node for node in graph.nodes if node.target is torch.ops.prims.convert_element_type.default]
+    fp8_casts = [node for node in casts if node.args[1] in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    assert len(fp8_casts) == EXPECTED_FP8_CASTS_LEFT[family], [node.meta.get("nn_module_stack") for node in fp8_casts]
     fused = [node for node in graph.nodes if node.target in FUSED_OPS.values()]
     assert [node.target for node in fused] == [FUSED_OPS[family]] * report.applied["gated_mean_quant"]
     for node in fused:
