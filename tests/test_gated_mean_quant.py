@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from corpus.quants import quant_vllm_native_reciprocal, quant_vllm_upcast_first
 from harness.capture import RecordingPass, passes_run_every_compile
 from harness.reference import fp8_ordinal, fused_op_count
 
@@ -139,6 +140,33 @@ def test_x_with_other_users_is_an_output_of_the_op() -> None:
     for x_sum_ref, q_ref, scale_ref in (unfused(fn, u, xn), fn(u, xn)):
         assert_quant_close(q, scale, q_ref, scale_ref)
         torch.testing.assert_close(x_sum.float(), x_sum_ref.float(), rtol=0.02, atol=0.05)
+
+
+def test_other_quants_of_a_fused_x_read_the_fused_codes() -> None:
+    """Three FP8 projections read x, each quantising it (as ``Fp8Linear`` does): the contract's quant is fused,
+    vLLM's upcast-first quant (bit-identical to it) then reads the fused codes and scales, and vLLM's reciprocal
+    quant (a near miss: ``x * (1/scale)``) keeps its own nodes."""
+
+    def fn(u: torch.Tensor, xn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = transformers_gated_mean(u, xn, 4, 40)
+        return (*per_token_quant(x), *quant_vllm_upcast_first(x), *quant_vllm_native_reciprocal(x))
+
+    u, xn = streams(19, 4, 40, torch.bfloat16), same_sign_streams(19, 4, 40, torch.bfloat16)
+    (q, scale, q_served, scale_served, q_own, scale_own), be = compile_run(fn, u, xn)
+    assert fused_in_graph(be) == 1
+    notes = be.reports[0].record("gated_mean_quant").notes
+    assert "other FP8 quants of a fused x served by the fused codes and scales: 1" in notes, notes
+    graph = be.graphs[0].graph
+    casts = [n for n in graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    [left] = [n for n in casts if n.args[1] == torch.float8_e4m3fn]  # the reciprocal quant's own cast
+    above, frontier = set(), [left]
+    while frontier:
+        frontier = [i for n in frontier for i in n.all_input_nodes if i not in above and not above.add(i)]
+    assert torch.ops.aten.reciprocal.default in {n.target for n in above}
+    assert torch.equal(q_served.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale_served, scale)
+    eager = fn(u, xn)
+    assert_quant_close(q_served, scale_served, *eager[2:4])
+    assert_quant_close(q_own, scale_own, *eager[4:6])
 
 
 def test_atom_and_mhc_collapses_fuse() -> None:

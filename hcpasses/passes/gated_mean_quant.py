@@ -30,6 +30,11 @@ The quant is found two ways: the traced patterns (the quant as ``hcpasses.kernel
 for a collapse no pattern fused, by evaluation (``hcpasses.patterns.quant_evaluation``): the sub-DAG from the
 collapse output to a downstream FP8 cast, whatever its ops, run on probe rows and accepted when its codes and
 scales are bit-identical to the contract's (the report counts these, with the probes and the time it took).
+Then x is quantised once: every other FP8 cast downstream of a fused x that evaluation finds to be its
+per-token quant (bit-identical to the contract, as the fused op's codes and scales are) reads the fused codes
+and scales instead, and its nodes go (an ``Fp8Linear`` quantises its input per projection; a GatedDeltaNet has
+four that read x). A quant with no fused output of its shape, or whose readers come before the fused op, stays,
+and the notes say which and why.
 Bails out (leaves the collapse alone and says so in the report) when no quant follows, when the quant is a near
 miss (the report names the probe that separated it), when it reads another value than the collapse output, or
 when the collapse reduces over another dim.
