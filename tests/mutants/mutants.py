@@ -254,4 +254,26 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         tests=("tests/test_promises.py::test_mutations_survive_every_pass_at_tp2",),
     ),
+    Mutant(
+        name="served_quants_left_in_the_graph",
+        fault="a quant served by the fused codes is rewired but its nodes stay, computed for nothing until cleanup",
+        file="hcpasses/passes/gated_mean_quant.py",
+        old="""    _erase_unused(graph, (*quant.nodes, quant.source), stop=set())
+""",
+        new="""    del graph  # "cleanup erases what nothing reads"
+""",
+        tests=("tests/real_models/test_compile.py::test_hcpasses_backend_matches_eager",),
+        k="qwen4_exp-1",
+    ),
+    Mutant(
+        name="sp_pads_of_token_rows_are_row_local",
+        fault="SP takes every constant pad as row-local, also one that shifts the token rows",
+        file="hcpasses/passes/sp_rewrite/rules.py",
+        old="""    if any(dim < k for dim in padded):
+""",
+        new="""    if any(dim < k for dim in padded) and False:  # "a pad keeps the values where they are"
+""",
+        tests=("tests/test_spellings.py",),
+        k="shifts_token_rows",
+    ),
 )
