@@ -65,7 +65,7 @@ from hcpasses.patterns.collapse import (
     traced_patterns,
 )
 from hcpasses.patterns.quant_evaluation import Judgement, NearMiss, QuantMatch, judge_quant
-from hcpasses.patterns.tracing import value_of
+from hcpasses.patterns.tracing import same_sizes, value_of
 
 if TYPE_CHECKING:
     from hcpasses.config import HCPassesConfig
@@ -187,7 +187,9 @@ def _with_views(node: fx.Node | None) -> list[fx.Node]:
     return [node, *(user for user in node.users if user.target in (aten.reshape.default, aten.view.default))]
 
 
-def _serve(graph: fx.Graph, quant: QuantMatch, codes: list[fx.Node], scales: list[fx.Node], order: dict) -> str | None:
+def _serve(
+    graph: fx.Graph, quant: QuantMatch, codes: list[fx.Node], scales: list[fx.Node], order: dict[fx.Node, int]
+) -> str | None:
     """Rewire ``quant``'s readers to the fused outputs of the same shape and erase its nodes, and x's view and
     the fused op's x when nothing else reads them; or why not."""
     pairs = [(quant.codes, codes)] + ([(quant.scale, scales)] if quant.scale is not None else [])
@@ -203,13 +205,11 @@ def _serve(graph: fx.Graph, quant: QuantMatch, codes: list[fx.Node], scales: lis
 
 
 def _same_shape(node: fx.Node, candidates: list[fx.Node]) -> fx.Node | None:
+    """The first candidate whose value has ``node``'s dtype and (provably) its shape."""
     want = value_of(node)
-    for candidate in candidates:
-        have = value_of(candidate)
-        if have.dtype == want.dtype and len(have.shape) == len(want.shape):
-            if all(statically_known_true(a == b) for a, b in zip(have.shape, want.shape, strict=True)):
-                return candidate
-    return None
+    return next(
+        (c for c in candidates if value_of(c).dtype == want.dtype and same_sizes(value_of(c).shape, want.shape)), None
+    )
 
 
 def _quant_by_evaluation(collapse: FoundCollapse) -> Judgement | None:
