@@ -325,7 +325,7 @@ class _Emitter:
     def viewed(self, new: fx.Node, old: fx.Node) -> fx.Node:
         """``new`` viewed to ``old``'s shape (its token dims spelled as the gate's sizes where symbolic)."""
         want, have = value_of(old).shape, value_of(new).shape
-        if len(want) == len(have) and all(statically_known_true(a == b) for a, b in zip(want, have, strict=True)):
+        if same_sizes(want, have):
             return new
         return self(aten.reshape.default, new, self._sizes(want))
 
