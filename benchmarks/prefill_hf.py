@@ -20,12 +20,12 @@ Variants, each compiled with static shapes from a fresh Dynamo state for every c
 
 (The hand-written SP of the transformers models, issue #27's fourth variant, is not written yet.)
 
-Every case runs inside ``hcpasses.hf.export_check_read_from_flag()`` (the documented path): on torch 2.11
-Dynamo folds transformers' export check to True under ``torch.compile``, so without it a compiled GatedDeltaNet
-runs its export loop and never flash-linear-attention's kernels. ``--keep-export-check`` runs without it (the
-numbers before the fix). Where the ``fla`` package imports (carry its wheels to the GPU machine), transformers'
-GatedDeltaNet calls its ``chunk_gated_delta_rule``, which is ``torch.compiler.disable``d: Dynamo breaks the
-graph around it. The JSON header says whether ``fla`` was found and which modules the context patched.
+Every case runs inside ``hcpasses.hf.eager_kernels_under_compile()`` (the documented path): the compiled
+GatedDeltaNet runs what eager runs, as one op (flash-linear-attention's kernels where the ``fla`` package imports:
+carry its wheels to the GPU machine; else the torch reference), and torch 2.11's folded export check is undone.
+``--as-traced`` runs without it (the numbers before: on torch 2.11 the export loop, unrolled, and never fla; with
+fla on a torch that does not fold the check, a graph break at fla's ``torch.compiler.disable``d kernel). The JSON
+header says whether ``fla`` was found and which modules the context patched.
 
 Per case and variant: the first call's seconds (compile), the passes' own seconds from the reports, the
 median wall time of ``--repeats`` calls (CUDA events; host clock on CPU), the profiler's kernel time and
@@ -65,7 +65,7 @@ from simulated_tp import NVLINK_GBPS_PER_DIRECTION, CommLedger, CommModel, simul
 from torch import nn
 
 import hcpasses
-from hcpasses.hf import export_check_read_from_flag, shard_for_tp, swap_fp8_linears
+from hcpasses.hf import eager_kernels_under_compile, shard_for_tp, swap_fp8_linears
 from hcpasses.testing import hf_models
 
 MODELS = ("qwen4_exp", "deepseek_v4")
@@ -89,7 +89,7 @@ class Settings:
     sp_min_tokens: int
     link_gbps: float
     smoke: bool
-    fix_export_check: bool
+    eager_kernels: bool
 
     @property
     def device(self) -> torch.device:
@@ -408,9 +408,9 @@ def cases(settings: Settings) -> Iterator[tuple[str, str, int, tuple[Case, ...]]
 def run(settings: Settings, path: Path) -> dict[str, Any]:
     """Every case, the JSON at ``path`` rewritten after each."""
     report = header(settings)
-    fix = export_check_read_from_flag() if settings.fix_export_check else contextlib.nullcontext([])
-    with fix as patched:
-        report["export_check_patched"] = patched
+    kernels = eager_kernels_under_compile() if settings.eager_kernels else contextlib.nullcontext({})
+    with kernels as patched:
+        report["patched"] = patched
         run_cases(settings, path, report)
     return report
 
@@ -507,9 +507,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
     parser.add_argument("--link-gbps", type=float, default=NVLINK_GBPS_PER_DIRECTION, help="comm model GB/s each way")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny models, tiny T, CPU")
     parser.add_argument(
-        "--keep-export-check",
+        "--as-traced",
         action="store_true",
-        help="run without hcpasses.hf.export_check_read_from_flag (torch 2.11: GatedDeltaNet's export loop)",
+        help="run without hcpasses.hf.eager_kernels_under_compile (GatedDeltaNet as Dynamo traces it)",
     )
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -528,7 +528,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
         sp_min_tokens=args.sp_min_tokens or (16 if smoke else 1024),
         link_gbps=args.link_gbps,
         smoke=smoke,
-        fix_export_check=not args.keep_export_check,
+        eager_kernels=not args.as_traced,
     )
     stem = f"{'smoke_' if smoke else ''}prefill_hf{'_' + args.tag if args.tag else ''}"
     return settings, args.out / f"{stem}.json"

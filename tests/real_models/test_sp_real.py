@@ -7,6 +7,8 @@ blocking), then with the single-device eager model.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from harness import passes_run_every_compile, simulate
@@ -14,7 +16,7 @@ from harness.reference import assert_same_as_sp_off, capture_with_passes, collec
 from hf_cases import FAMILIES, ONE_LAYER, logits, token_ids
 
 from hcpasses.config import HCPassesConfig
-from hcpasses.hf import shard_for_tp, swap_fp8_linears
+from hcpasses.hf import eager_kernels_under_compile, shard_for_tp, swap_fp8_linears
 
 
 class Logits(torch.nn.Module):
@@ -37,21 +39,33 @@ def build(family: str, fp8: bool, rank: int | None = None, tp: int | None = None
     return model
 
 
-@pytest.mark.parametrize(("family", "fp8", "batch"), [("qwen4_exp", True, 2), ("deepseek_v4", False, 2)])
-def test_sp_shards_every_hc_block_and_matches_one_device(family: str, fp8: bool, batch: int) -> None:
+@pytest.mark.parametrize(
+    ("family", "fp8", "batch", "delta_rule_op"),
+    [("qwen4_exp", True, 2, False), ("qwen4_exp", True, 2, True), ("deepseek_v4", False, 2, False)],
+)
+def test_sp_shards_every_hc_block_and_matches_one_device(
+    family: str, fp8: bool, batch: int, delta_rule_op: bool
+) -> None:
+    """``delta_rule_op``: inside ``eager_kernels_under_compile`` (GatedDeltaNet's delta rule one opaque op in the
+    graph, as on the GPU with flash-linear-attention): SP is the same."""
     ids = token_ids(batch, seed=4)
-    graphs = capture_with_passes(
-        lambda rank, tp: Logits(build(family, fp8, rank, tp)),
-        lambda rank, tp: (ids,),
-        2,
-        HCPassesConfig(sp_min_tokens=1),
-        codegen=False,
+    with eager_kernels_under_compile() if delta_rule_op else contextlib.nullcontext():
+        graphs = capture_with_passes(
+            lambda rank, tp: Logits(build(family, fp8, rank, tp)),
+            lambda rank, tp: (ids,),
+            2,
+            HCPassesConfig(sp_min_tokens=1),
+            codegen=False,
+        )
+        outputs = simulate(graphs.graphs, graphs.inputs)
+        unsharded = graphs.sp_off()
+        for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+            assert_same_as_sp_off(got, want, fp8=fp8)  # the models are fp32
+        expected = logits(build(family, fp8), ids)
+    delta_rules = sum(
+        node.target is torch.ops.hcpasses.chunk_gated_delta_rule.default for node in graphs.graphs[0].graph.nodes
     )
-    outputs = simulate(graphs.graphs, graphs.inputs)
-    unsharded = graphs.sp_off()
-    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
-        assert_same_as_sp_off(got, want, fp8=fp8)  # the models are fp32
-    expected = logits(build(family, fp8), ids)
+    assert delta_rules == (1 if delta_rule_op else 0)
     for (actual,) in outputs:
         # fp32; FP8 codes can flip where the TP partial sums round differently (one e4m3 step)
         torch.testing.assert_close(actual, expected, atol=2e-2 if fp8 else 1e-4, rtol=2e-2 if fp8 else 1e-4)
