@@ -20,7 +20,7 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest
 import torch
-from harness.quick_run import QUICK_RUN_SKIPS
+from harness.quick_run import skipped_in_quick_run
 from harness.tally import CheckedGraphs
 from hypothesis import HealthCheck, settings
 
@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
 )
-# The quick profile: every property still draws its edge cases (each test's own @example / explicit cases) and a few
+# The quick profile: every property still draws its edge cases (each test's own @example / explicit cases) and two
 # random examples; the suite runs in a few minutes from a cold cache on 2 cores (README: Tests).
-settings.register_profile("dev", max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # The hand-written mutants' selected tests (tests/mutants/run.py): no test skipped, a moderate number of examples.
 settings.register_profile("mutants", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "dev")
@@ -54,7 +54,7 @@ LONG_TESTS = (
 
 
 def _thorough_only(item: pytest.Item) -> bool:
-    return item.get_closest_marker("thorough") is not None or item.nodeid.startswith(QUICK_RUN_SKIPS)
+    return item.get_closest_marker("thorough") is not None or skipped_in_quick_run(item.nodeid)
 
 
 def pytest_collection_modifyitems(items: list) -> None:
