@@ -110,3 +110,24 @@ def test_the_context_restores_the_wrappers_on_exit_and_on_raise() -> None:
     with pytest.raises(KeyError), delta_rule_as_one_op():
         raise KeyError("body")
     assert modeling_qwen4_exp.torch_chunk_gated_delta_rule is original
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU machine)")
+def test_on_cuda_the_op_runs_flash_linear_attention_as_eager_does() -> None:
+    """With ``fla`` on the path (its wheels carried: DESIGN §10) eager calls fla's chunk kernel, and so does the
+    compiled model's op, in one graph. Without ``fla`` there is nothing to check: skipped."""
+    chunk = pytest.importorskip("fla.ops.gated_delta_rule.chunk")
+    heads = {"linear_key_head_dim": 64, "linear_value_head_dim": 64}  # fla's kernels want head dims >= 16
+    model = FAMILIES["qwen4_exp"](torch.bfloat16, **TWO_LINEAR_LAYERS, **heads).cuda()
+    ids = torch.randint(128, (2, 200), generator=torch.Generator().manual_seed(5)).cuda()
+    apply = mock.patch.object(chunk.ChunkGatedDeltaRuleFunction, "apply", wraps=chunk.ChunkGatedDeltaRuleFunction.apply)
+    with torch.no_grad(), apply as fla_calls:
+        expected = model(ids).logits
+        assert fla_calls.call_count == 2  # eager: fla, once per layer
+        torch._dynamo.reset()
+        with eager_kernels_under_compile():
+            compiled = torch.compile(model, backend="inductor")
+            actual = compiled(ids).logits
+        assert fla_calls.call_count == 4
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
