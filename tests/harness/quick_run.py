@@ -47,6 +47,9 @@ QUICK_RUN_SKIPS = (
     "tests/test_grad_mode.py::test_inference_compile_is_rewritten[inference_mode]",  # no_grad stays
     "tests/test_harness.py::test_simulator_matches_gloo[mlp-2]",  # sp-2 stays
     "tests/test_bench_models.py::test_bench_handwritten_sp_matches_plain[tp3",  # the last user of the tp 3 ranks
+    # qwen4_exp's SP as Dynamo traces GatedDeltaNet on CPU; the case with the delta rule as one op stays
+    "tests/real_models/test_sp_real.py::test_sp_shards_every_hc_block_and_matches_one_device[qwen4_exp-True-2-False]",
+    "tests/test_corpus_fusion.py::test_every_weighted_sum_spelling_fuses_with_its_quant[*-torch.bfloat16]",
 )
 
 

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hf_cases import FAMILIES, token_ids
+from hf_cases import FAMILIES, ONE_LAYER, token_ids
 from torch import fx
 from transformers.models.qwen4_exp import modeling_qwen4_exp
 
@@ -47,18 +47,21 @@ def test_compiled_model_is_one_graph_with_one_op_per_linear_attention_layer() ->
         graphs.append(gm)
         return gm.forward
 
+    one_layer = FAMILIES["qwen4_exp"](**ONE_LAYER["qwen4_exp"])
     torch._dynamo.reset()
     with eager_kernels_under_compile() as patched, torch.no_grad():
         recorded = torch.compile(model, backend=record)(ids).logits
         torch._dynamo.reset()
-        inductor = torch.compile(model, backend="inductor")(ids).logits
+        # Inductor calls the op as an extern kernel (one layer: half the compile time of two)
+        inductor = torch.compile(one_layer, backend="inductor")(ids).logits
+        one_layer_expected = one_layer(ids).logits
     assert MODULE in patched["delta_rule_op"]
     assert len(graphs) == 1  # no break around the delta rule
     targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert targets.count(OP) == 2, targets
     assert torch.linalg.solve_triangular not in targets  # the reference is not traced
     torch.testing.assert_close(recorded, expected, rtol=0, atol=0)
-    torch.testing.assert_close(inductor, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(inductor, one_layer_expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("output_final_state", [False, True])
