@@ -24,7 +24,7 @@ def test_every_quick_run_skip_names_a_collected_test() -> None:
     assert len(ids) > 400, collected[-5:]
     assert not stale_entries(ids), stale_entries(ids)
     # an entry with a wildcard leaves the other cases of its test in the quick run
-    for entry in (e for e in QUICK_RUN_SKIPS if "*" in e):
+    for entry in (e for e in QUICK_RUN_SKIPS if "[*" in e):
         family = [i for i in ids if i.startswith(entry.split("[", 1)[0] + "[")]
         assert any(skipped_in_quick_run(i) for i in family) and not all(map(skipped_in_quick_run, family)), entry
 

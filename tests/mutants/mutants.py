@@ -276,4 +276,28 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_spellings.py",),
         k="shifts_token_rows",
     ),
+    Mutant(
+        name="delta_rule_op_returns_the_kernels_strides",
+        fault="the delta-rule op returns the kernel's output as it comes, a view of a padded buffer, not the "
+        "contiguous tensor its fake implementation promises Inductor",
+        file="hcpasses/hf/delta_rule_op.py",
+        old="""        return out.contiguous(), query.new_empty(0, dtype=torch.float32)
+""",
+        new="""        return out, query.new_empty(0, dtype=torch.float32)  # "the kernel's layout is fine"
+""",
+        tests=("tests/real_models/test_delta_rule_op.py",),
+        k="fake_agrees",
+    ),
+    Mutant(
+        name="export_check_left_patched",
+        fault="the export-check context patches transformers' modules and leaves them patched after it exits",
+        file="hcpasses/hf/export_check.py",
+        old="""        for name, check in saved.items():
+            setattr(sys.modules[name], CHECK_NAME, check)
+""",
+        new="""        saved.clear()  # "the flag reads right everywhere, keep it"
+""",
+        tests=("tests/real_models/test_export_check.py",),
+        k="restores",
+    ),
 )
