@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from hcpasses.hf.module_patch import loaded_modules_with, module_attributes_replaced
 
 FUNCTION_NAME = "torch_chunk_gated_delta_rule"
 DEFAULT_CHUNK = 64  # fla's kernels have a fixed chunk of 64; transformers' default
@@ -139,26 +140,12 @@ def _as_one_op(module_name: str, wrapper: Callable[..., Any]) -> Callable[..., A
     return delta_rule
 
 
-def _modules_with_the_delta_rule() -> list[str]:
-    return sorted(
-        name
-        for name, module in list(sys.modules.items())
-        if name.startswith("transformers.models.") and callable(getattr(module, FUNCTION_NAME, None))
-    )
-
-
 @contextlib.contextmanager
 def delta_rule_as_one_op() -> Iterator[list[str]]:
     """While open, the loaded transformers modules' chunked delta rule is ``hcpasses::chunk_gated_delta_rule``.
 
     Yields the names of the modules it patched. Dynamo reads the module attribute when it traces (first call,
     recompiles): keep the compiled model's calls inside the context."""
-    names = _modules_with_the_delta_rule()
-    saved = {name: getattr(sys.modules[name], FUNCTION_NAME) for name in names}
-    try:
-        for name, wrapper in saved.items():
-            setattr(sys.modules[name], FUNCTION_NAME, _as_one_op(name, wrapper))
-        yield names
-    finally:
-        for name, wrapper in saved.items():
-            setattr(sys.modules[name], FUNCTION_NAME, wrapper)
+    names = loaded_modules_with(FUNCTION_NAME, "transformers.models")
+    with module_attributes_replaced(names, FUNCTION_NAME, _as_one_op) as patched:
+        yield patched

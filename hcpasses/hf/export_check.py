@@ -23,10 +23,11 @@ recompile: keep the calls of the compiled model inside the context.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 
 import torch
+
+from hcpasses.hf.module_patch import loaded_modules_with, module_attributes_replaced
 
 CHECK_NAME = "is_torchdynamo_exporting"
 
@@ -48,14 +49,6 @@ def dynamo_folds_is_exporting() -> bool:
     return bool(probe(torch.zeros(1)).item() == 1)
 
 
-def _modules_with_the_check() -> list[str]:
-    return sorted(
-        name
-        for name, module in list(sys.modules.items())
-        if (name == "transformers" or name.startswith("transformers.")) and hasattr(module, CHECK_NAME)
-    )
-
-
 @contextlib.contextmanager
 def export_check_read_from_flag() -> Iterator[list[str]]:
     """While open, transformers' ``is_torchdynamo_exporting`` is False under ``torch.compile`` on every torch.
@@ -65,12 +58,6 @@ def export_check_read_from_flag() -> Iterator[list[str]]:
     if not dynamo_folds_is_exporting():
         yield []
         return
-    names = _modules_with_the_check()
-    saved = {name: getattr(sys.modules[name], CHECK_NAME) for name in names}
-    try:
-        for name in names:
-            setattr(sys.modules[name], CHECK_NAME, _is_exporting_per_flag)
-        yield names
-    finally:
-        for name, check in saved.items():
-            setattr(sys.modules[name], CHECK_NAME, check)
+    names = loaded_modules_with(CHECK_NAME, "transformers")
+    with module_attributes_replaced(names, CHECK_NAME, lambda name, check: _is_exporting_per_flag) as patched:
+        yield patched

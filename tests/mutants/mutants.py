@@ -289,15 +289,15 @@ MUTANTS: tuple[Mutant, ...] = (
         k="fake_agrees",
     ),
     Mutant(
-        name="export_check_left_patched",
-        fault="the export-check context patches transformers' modules and leaves them patched after it exits",
-        file="hcpasses/hf/export_check.py",
-        old="""        for name, check in saved.items():
-            setattr(sys.modules[name], CHECK_NAME, check)
+        name="hf_contexts_leave_modules_patched",
+        fault="the hf contexts patch transformers' modules and leave them patched after they exit",
+        file="hcpasses/hf/module_patch.py",
+        old="""        for name, current in saved.items():
+            setattr(sys.modules[name], attribute, current)
 """,
         new="""        saved.clear()  # "the flag reads right everywhere, keep it"
 """,
-        tests=("tests/real_models/test_export_check.py",),
-        k="restores",
+        tests=("tests/real_models/test_export_check.py", "tests/real_models/test_delta_rule_op.py"),
+        k="restore",
     ),
 )
