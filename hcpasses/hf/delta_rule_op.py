@@ -90,6 +90,7 @@ def _check(what: str, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype
         raise RuntimeError(f"hcpasses::chunk_gated_delta_rule: the kernel's {what} is {got}, expected {shape} {dtype}")
 
 
+# The fake repeats the op's signature (torch.library calls it with the op's arguments, positional or by name).
 @chunk_gated_delta_rule.register_fake
 def _(
     module_name: str,
