@@ -36,10 +36,15 @@ FUNCTION_NAME = "torch_chunk_gated_delta_rule"
 DEFAULT_CHUNK = 64  # fla's kernels have a fixed chunk of 64; transformers' default
 
 
+def _replaced(function: Callable[..., Any]) -> Callable[..., Any]:
+    """What an op caller of :func:`_as_one_op` replaced; any other function itself. (Read from ``__dict__``: the
+    attribute this module sets, not one that an object answering every name, such as a mock, makes up.)"""
+    return getattr(function, "__dict__", {}).get("replaced_wrapper", function)
+
+
 def _module_wrapper(module_name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
     """The wrapper the module had before :func:`delta_rule_as_one_op` replaced it (or has now, outside it)."""
-    function = getattr(importlib.import_module(module_name), FUNCTION_NAME)
-    return getattr(function, "replaced_wrapper", function)
+    return _replaced(getattr(importlib.import_module(module_name), FUNCTION_NAME))
 
 
 def _output_shapes(
@@ -110,6 +115,10 @@ def _(
 
 
 def _as_one_op(module_name: str, wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    # in a nested context the module already holds an op caller: wrap what it replaced (else the op would call
+    # itself through the outer caller without end)
+    wrapper = _replaced(wrapper)
+
     @functools.wraps(wrapper)
     def delta_rule(
         query: torch.Tensor,

@@ -134,3 +134,15 @@ def test_on_cuda_the_op_runs_flash_linear_attention_as_eager_does() -> None:
             actual = compiled(ids).logits
         assert fla_calls.call_count == 4
     torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_nested_contexts_call_the_kernel_once() -> None:
+    query, key, value, g, beta = delta_rule_inputs(tokens=9)
+    original = modeling_qwen4_exp.torch_chunk_gated_delta_rule
+    want, _ = original(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    with delta_rule_as_one_op(), eager_kernels_under_compile():
+        delta_rule = modeling_qwen4_exp.torch_chunk_gated_delta_rule
+        assert delta_rule.replaced_wrapper is original
+        got, _ = delta_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert modeling_qwen4_exp.torch_chunk_gated_delta_rule is original
