@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,8 +55,7 @@ def _output_shapes(
     return tuple(value.shape), (sequences, value.shape[2], key.shape[3], value.shape[3])
 
 
-@torch.library.custom_op("hcpasses::chunk_gated_delta_rule", mutates_args=())
-def chunk_gated_delta_rule(
+def _run_delta_rule(
     module_name: str,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -95,22 +95,17 @@ def _check(what: str, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype
         raise RuntimeError(f"hcpasses::chunk_gated_delta_rule: the kernel's {what} is {got}, expected {shape} {dtype}")
 
 
-# The fake repeats the op's signature (torch.library calls it with the op's arguments, positional or by name).
+chunk_gated_delta_rule = torch.library.custom_op("hcpasses::chunk_gated_delta_rule", mutates_args=())(_run_delta_rule)
+_SIGNATURE = inspect.signature(_run_delta_rule)
+
+
 @chunk_gated_delta_rule.register_fake
-def _(
-    module_name: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    cu_seqlens: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    out_shape, state_shape = _output_shapes(query, key, value, cu_seqlens)
-    state = query.new_empty(state_shape if output_final_state else (0,), dtype=torch.float32)
+def _(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    # bound to the op's own signature: torch.library passes the arguments positionally or by name
+    call = _SIGNATURE.bind(*args, **kwargs).arguments
+    query, key, value = call["query"], call["key"], call["value"]
+    out_shape, state_shape = _output_shapes(query, key, value, call["cu_seqlens"])
+    state = query.new_empty(state_shape if call["output_final_state"] else (0,), dtype=torch.float32)
     return query.new_empty(out_shape), state
 
 
