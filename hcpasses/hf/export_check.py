@@ -33,7 +33,8 @@ CHECK_NAME = "is_torchdynamo_exporting"
 
 
 def _is_exporting_per_flag() -> bool:
-    # The flag is internal: tests/unit/test_export_check.py pins that export sets it and that it is False otherwise.
+    # The flag is internal: tests/real_models/test_export_check.py pins that export sets it and that it is
+    # False otherwise.
     return bool(torch.compiler._is_exporting_flag)
 
 
