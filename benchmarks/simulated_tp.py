@@ -26,19 +26,27 @@ Stand-ins (N = the op's group size, r = the simulated rank): all-gather = N copi
 along dim 0; reduce-scatter = rank r's block (rows ``r*L:(r+1)*L``) of the input; all-reduce = identity;
 ``wait_tensor`` = identity. Each call is recorded in a :class:`CommLedger` (op, bytes of the full-size tensor,
 group size), which the :class:`CommModel` turns into milliseconds.
+
+The stand-ins' copies are communication, not the rank's compute: each runs inside a profiler range named
+``simulated_tp::<kind>``, and :func:`standin_ms` sums what a profile spent in them, so that a benchmark can report
+compute without them (the comm model prices the collectives instead). Without that, SP is charged for its
+gathers' copies while SP off's in-place all-reduce costs nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 NAMESPACE = "_c10d_functional"
+STANDIN_RANGE = "simulated_tp::"  # profiler ranges of the stand-ins: communication, not compute
 DISPATCH_KEYS = ("CPU", "CUDA")
 
 # H200 NVLink 4: 18 links, 900 GB/s per GPU bidirectional (NVIDIA H200 product brief), so 450 GB/s each way;
@@ -134,7 +142,7 @@ def _block(tensor: torch.Tensor, group_size: int, rank: int) -> torch.Tensor:
 
 
 def _kernels(rank: int, ledger: CommLedger) -> dict[str, object]:
-    """Python kernels for the ``_c10d_functional`` ops, by op name."""
+    """Python kernels for the ``_c10d_functional`` ops, by op name; each but ``wait_tensor`` in its profiler range."""
 
     def all_gather(tensor: torch.Tensor, group_size: int, group_name: object) -> torch.Tensor:
         out = _gathered(tensor, group_size)
@@ -166,15 +174,33 @@ def _kernels(rank: int, ledger: CommLedger) -> dict[str, object]:
     def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    return {
+    kernels = {
         "all_gather_into_tensor": all_gather,
         "all_gather_into_tensor_out": all_gather_out,
         "reduce_scatter_tensor": reduce_scatter,
         "reduce_scatter_tensor_out": reduce_scatter_out,
         "all_reduce": all_reduce,
         "all_reduce_": all_reduce_,
-        "wait_tensor": wait_tensor,
     }
+    return {name: _in_range(name, kernel) for name, kernel in kernels.items()} | {"wait_tensor": wait_tensor}
+
+
+def _in_range(name: str, kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``kernel`` run inside the profiler range ``simulated_tp::<name>``."""
+
+    @functools.wraps(kernel)
+    def ranged(*args: object, **kwargs: object) -> torch.Tensor:
+        with torch.profiler.record_function(f"{STANDIN_RANGE}{name}"):
+            return kernel(*args, **kwargs)
+
+    return ranged
+
+
+def standin_ms(events: Iterable[Any], on_gpu: bool) -> float:
+    """Milliseconds a profile's ``events`` (``prof.events()``) spent in the stand-ins: the device time of the
+    kernels launched inside their ranges (``on_gpu``), else the ranges' CPU time."""
+    ranges = [event for event in events if event.name.startswith(STANDIN_RANGE)]
+    return sum(event.device_time_total if on_gpu else event.cpu_time_total for event in ranges) / 1e3
 
 
 def _group_size(group_name: object) -> int:

@@ -17,10 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from simulated_tp import (
     DISPATCH_KEYS,
     NVLINK_GBPS_PER_DIRECTION,
+    STANDIN_RANGE,
     CollectiveCall,
     CommModel,
     simulated_collectives,
     simulated_tp,
+    standin_ms,
 )
 
 c10d = torch.ops._c10d_functional
@@ -91,6 +93,28 @@ def test_stand_ins_inside_inductor_code() -> None:
     with simulated_tp(tp, rank=3) as ledger:
         check_values(x, tp, torch.compile(collectives, backend="inductor")(x, tp))
     assert ledger.counts() == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
+
+
+def test_stand_ins_run_in_profiler_ranges_that_standin_ms_sums() -> None:
+    """Each stand-in (not the wait) runs in its ``simulated_tp::`` range, also from Inductor's code, and
+    ``standin_ms`` sums exactly those ranges: a profile of compute alone has none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    x, tp = torch.randn(256, 512), 4
+    compiled = torch.compile(collectives, backend="inductor")
+    with simulated_tp(tp, rank=1):
+        compiled(x, tp)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            compiled(x, tp)
+        with profile(activities=[ProfilerActivity.CPU]) as compute_only:
+            torch.mm(x, x.T)
+    ranges = [event for event in prof.events() if event.name.startswith(STANDIN_RANGE)]
+    names = sorted(event.name.removeprefix(STANDIN_RANGE) for event in ranges)
+    assert names == ["all_gather_into_tensor", "all_reduce_", "reduce_scatter_tensor"], names
+    assert standin_ms(prof.events(), on_gpu=False) == pytest.approx(sum(e.cpu_time_total for e in ranges) / 1e3)
+    assert standin_ms(prof.events(), on_gpu=False) > 0
+    assert standin_ms(compute_only.events(), on_gpu=False) == 0
 
 
 def test_hcpasses_sees_a_group_of_size_n_and_rank_r() -> None:
