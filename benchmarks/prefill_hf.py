@@ -1,4 +1,4 @@
-"""Prefill of transformers' real-size HC models under simulated TP: plain Inductor vs hcpasses SP off vs SP.
+"""Prefill of transformers' real-size HC models under simulated TP: Inductor, hcpasses SP off / SP, hand-written SP.
 
 Run from the repository root on one GPU (each case is one rank of a simulated group, ``simulated_tp.py``)::
 
@@ -16,9 +16,15 @@ Variants, each compiled with static shapes from a fresh Dynamo state for every c
 
 - ``inductor``: ``torch.compile(backend="inductor")``;
 - ``sp_off``: ``hcpasses.backend(sp_rewrite=False)``;
-- ``hcpasses_sp``: ``hcpasses.backend(sp_rewrite=True, sp_min_tokens=...)``.
+- ``hcpasses_sp``: ``hcpasses.backend(sp_rewrite=True, sp_min_tokens=...)``;
+- ``handwritten_sp``: ``torch.compile(backend="inductor")`` on the same sharded model (same weights) with sequence
+  parallelism written by hand (``handwritten_sp_hf.py``, issue #27's fourth variant: what a serving team writes,
+  the anchor hcpasses' SP must match or beat). qwen4_exp only: for deepseek_v4 the variant records the
+  ``ValueError`` that says so. It gathers only the last token's row at the exit (``logits_to_keep=1``), and with
+  ``fp8`` it gathers x unquantised (its docstring says why).
 
-(The hand-written SP of the transformers models, issue #27's fourth variant, is not written yet.)
+``hcpasses_vs_handwritten`` = the hand-written variant's ms / ``hcpasses_sp``'s ms, for kernel and wall time (above 1:
+hcpasses is faster).
 
 Every case runs inside ``hcpasses.hf.eager_kernels_under_compile()`` (the documented path): the compiled
 GatedDeltaNet runs what eager runs, as one op (flash-linear-attention's kernels where the ``fla`` package imports:
@@ -31,7 +37,9 @@ Per case and variant: the first call's seconds (compile), the passes' own second
 median wall time of ``--repeats`` calls (CUDA events; host clock on CPU), the profiler's kernel time and
 kernel count per forward (on CPU: ops' self time and op count, which only checks the plumbing), the
 collectives of one forward with their ring-model time at ``--link-gbps`` (``simulated_tp.CommModel``) and
-``estimated_ms`` = kernel ms + comm ms (no overlap), and the logits' largest difference from ``inductor``'s.
+``estimated_ms`` = kernel ms + comm ms (no overlap), and the logits' largest difference from ``inductor``'s (none
+for a variant that shards: ``sp_applied`` true for ``hcpasses_sp`` where the pass sharded, for ``handwritten_sp`` at
+tp > 1).
 
 HC-only bound: the model's own HC modules (every decoder layer's two HC blocks and the final mixer / head,
 same weights) run back to back with the sub-layers replaced by a fixed ``y``, compiled alone with symbolic
@@ -61,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from handwritten_sp_hf import handwritten_sp
 from simulated_tp import NVLINK_GBPS_PER_DIRECTION, CommLedger, CommModel, simulated_tp
 from torch import nn
 
@@ -69,7 +78,7 @@ from hcpasses.hf import eager_kernels_under_compile, shard_for_tp, swap_fp8_line
 from hcpasses.testing import hf_models
 
 MODELS = ("qwen4_exp", "deepseek_v4")
-VARIANTS = ("inductor", "sp_off", "hcpasses_sp")
+VARIANTS = ("inductor", "sp_off", "hcpasses_sp", "handwritten_sp")
 DTYPES = ("bf16", "fp8")
 DEFAULT_LAYERS = {"qwen4_exp": 4, "deepseek_v4": 2}
 SMOKE_LAYERS = {"qwen4_exp": 2, "deepseek_v4": 1}  # qwen4_exp: the PLE layer is layer 2
@@ -248,7 +257,7 @@ def profiled(step: Callable[[], Any], repeats: int, device: torch.device) -> dic
 
 
 def make_backend(variant: str, settings: Settings) -> Any:
-    if variant == "inductor":
+    if variant in ("inductor", "handwritten_sp"):
         return "inductor"
     return hcpasses.backend(sp_rewrite=variant == "hcpasses_sp", sp_min_tokens=settings.sp_min_tokens)
 
@@ -274,7 +283,8 @@ def run_variant(
     """Compile (first call), warm up, time and profile one variant on ``ids``; one more call for the ledger."""
     torch._dynamo.reset()
     backend = make_backend(variant, settings)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    target = handwritten_sp(model) if variant == "handwritten_sp" else model
+    compiled = torch.compile(target, backend=backend, dynamic=False)
     device = settings.device
 
     def step() -> torch.Tensor:
@@ -296,6 +306,8 @@ def run_variant(
     row |= {"collectives": ledger.counts(), "collective_bytes": ledger.bytes_by_kind()}
     row |= {"comm_ms": comm.ms(ledger.calls), "estimated_ms": kernels["kernel_ms"] + comm.ms(ledger.calls)}
     row |= pass_summary(backend)
+    if variant == "handwritten_sp":
+        row["sp_applied"] = target.size > 1
     row["logits"] = logits.float().cpu()
     return row
 
@@ -332,7 +344,7 @@ def hc_bound(hc: dict[str, float], sp_off_kernel_ms: float, tp: int) -> dict[str
 def compare_logits(rows: dict[str, dict[str, Any]]) -> None:
     """Replace each variant's logits by their largest difference from ``inductor``'s (relative to its max).
 
-    None where SP sharded the graph: the stand-in all-gather returns copies of this rank's rows, so the kept
+    None where SP sharded (hcpasses or by hand): the stand-in all-gather returns copies of this rank's rows, so the kept
     last token's logits are those of another row (the values are realistic, not the model's; DESIGN §11)."""
     reference = rows.get("inductor", {}).get("logits")
     for row in rows.values():
@@ -375,12 +387,23 @@ def run_case(model: nn.Module, case: Case, settings: Settings, ledger: CommLedge
         release(settings.device)
     compare_logits(variants)
     row: dict[str, Any] = {**asdict(case), "variants": variants}
+    if ratios := vs_handwritten(variants):
+        row["hcpasses_vs_handwritten"] = ratios
     hc = guarded(lambda: hc_chain_times(model, case.model, case.tokens, case.tp, settings))
     row["hc_chain"] = hc
     if "kernel_ms" in variants.get("sp_off", {}) and "error" not in hc:
         row |= hc_bound(hc, variants["sp_off"]["kernel_ms"], case.tp)
     log(f"{case.label} HC chain: {json.dumps({k: row.get(k) for k in ('hc_share', 'hc_bound')})}")
     return row
+
+
+def vs_handwritten(variants: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Hand-written SP's kernel and wall ms over ``hcpasses_sp``'s (above 1: hcpasses is faster); empty unless both
+    ran."""
+    hand, auto = variants.get("handwritten_sp", {}), variants.get("hcpasses_sp", {})
+    if not hand or not auto or "error" in hand or "error" in auto:
+        return {}
+    return {key: hand[key] / auto[key] for key in ("kernel_ms", "wall_ms")}
 
 
 def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -453,7 +476,7 @@ def write(report: dict[str, Any], path: Path) -> None:
 def table(report: dict[str, Any]) -> str:
     """One line per case and variant."""
     lines = [
-        f"{'case':<36} {'variant':<12} {'wall ms':>9} {'kernel ms':>10} {'kernels':>8} {'comm ms':>8} "
+        f"{'case':<36} {'variant':<14} {'wall ms':>9} {'kernel ms':>10} {'kernels':>8} {'comm ms':>8} "
         f"{'est ms':>9} {'compile s':>9}  sp"
     ]
     for case in report["cases"]:
@@ -463,11 +486,17 @@ def table(report: dict[str, Any]) -> str:
             continue
         for variant, row in case["variants"].items():
             if "error" in row:
-                lines.append(f"{label:<36} {variant:<12} error: {row['error'][:70]}")
+                lines.append(f"{label:<36} {variant:<14} error: {row['error'][:70]}")
                 continue
             times = f"{row['wall_ms']:>9.2f} {row['kernel_ms']:>10.2f} {row['kernels']:>8.0f} {row['comm_ms']:>8.3f}"
             tail = f"{row['estimated_ms']:>9.2f} {row['compile_s']:>9.1f}  {row.get('sp_applied', '')}"
-            lines.append(f"{label:<36} {variant:<12} {times} {tail}")
+            lines.append(f"{label:<36} {variant:<14} {times} {tail}")
+        if "hcpasses_vs_handwritten" in case:
+            ratios = case["hcpasses_vs_handwritten"]
+            lines.append(
+                f"{label:<36} hcpasses SP vs hand-written SP (hand-written ms / hcpasses ms): "
+                f"kernel {ratios['kernel_ms']:.3f}x, wall {ratios['wall_ms']:.3f}x"
+            )
         if "hc_bound" in case:
             lines.append(
                 f"{label:<36} HC share {case['hc_share']:.3f}, bound {case['hc_bound']:.3f}, "

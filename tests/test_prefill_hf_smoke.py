@@ -1,5 +1,5 @@
-"""``benchmarks/prefill_hf.py``: its pieces quickly (KV replication, the HC bound, error records, the table), and its
-``--cpu-smoke`` run end to end (thorough: a few tiny-model compiles on CPU)."""
+"""``benchmarks/prefill_hf.py``: its pieces quickly (KV replication, the HC bound, the hand-written ratio, error
+records, the table), and its ``--cpu-smoke`` run end to end with every variant (thorough: compiles on CPU)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,16 @@ def test_hc_bound_and_error_records() -> None:
     assert "error: ValueError" in prefill_hf.table(report)
 
 
+def test_hcpasses_vs_handwritten_is_handwritten_ms_over_hcpasses_ms() -> None:
+    variants = {"handwritten_sp": {"kernel_ms": 3.0, "wall_ms": 4.0}, "hcpasses_sp": {"kernel_ms": 2.0, "wall_ms": 5.0}}
+    assert prefill_hf.vs_handwritten(variants) == {"kernel_ms": 1.5, "wall_ms": 0.8}
+    assert prefill_hf.vs_handwritten({**variants, "handwritten_sp": {"error": "ValueError: deepseek_v4"}}) == {}
+    assert prefill_hf.vs_handwritten({"hcpasses_sp": variants["hcpasses_sp"]}) == {}
+    case = {"model": "qwen4_exp", "dtype": "bf16", "tp": 2, "tokens": 16, "variants": {}}
+    case["hcpasses_vs_handwritten"] = prefill_hf.vs_handwritten(variants)
+    assert "hand-written ms / hcpasses ms): kernel 1.500x, wall 0.800x" in prefill_hf.table({"cases": [case]})
+
+
 def test_subsets_are_checked() -> None:
     with pytest.raises(SystemExit):
         prefill_hf.parse_args(["--models", "llama"])
@@ -73,7 +83,7 @@ def test_subsets_are_checked() -> None:
 @pytest.mark.thorough
 def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
     command = [sys.executable, "benchmarks/prefill_hf.py", "--cpu-smoke", "--models", "qwen4_exp", "--tp", "1,2"]
-    command += ["--dtypes", "bf16", "--variants", "inductor,sp_off,hcpasses_sp", "--repeats", "1", "--warmup", "0"]
+    command += ["--dtypes", "bf16", "--variants", ",".join(prefill_hf.VARIANTS), "--repeats", "1", "--warmup", "0"]
     command += ["--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -88,11 +98,21 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
             if variant == "inductor":
                 assert row["rel_diff_vs_inductor"] == 0.0 and "reports" not in row
                 continue
+            if variant == "handwritten_sp":  # plain Inductor on the hand-written model: sharded at tp 2, no reports
+                assert row["sp_applied"] == (case["tp"] == 2) and "reports" not in row
+                if case["tp"] == 1:  # one rank: the same function as the model, so inductor's logits (fp32)
+                    assert row["rel_diff_vs_inductor"] < 1e-5
+                continue
             assert row["sp_applied"] == (variant == "hcpasses_sp" and case["tp"] == 2), (case["tp"], variant)
             assert len(row["reports"]) == row["graphs"] and all("sp_rewrite" in text for text in row["reports"])
             # no comparison where the stand-in gathers make the rows another rank's copies
             assert (row["rel_diff_vs_inductor"] is None) == row["sp_applied"], (variant, row["rel_diff_vs_inductor"])
         assert 0 < case["hc_share"] < 1 and case["hc_bound"] == pytest.approx(case["hc_share"] * (1 - 1 / case["tp"]))
+        assert set(case["hcpasses_vs_handwritten"]) == {"kernel_ms", "wall_ms"}
+        assert all(ratio > 0 for ratio in case["hcpasses_vs_handwritten"].values())
     sharded = report["cases"][1]["variants"]
     assert sharded["sp_off"]["collectives"] == {"all_reduce": 4}  # 2 layers x (token mixer + MoE)
     assert {"all_gather", "reduce_scatter"} <= set(sharded["hcpasses_sp"]["collectives"])
+    # by hand: an all-gather of x and a reduce-scatter per sub-layer, the PLE conv's halo, the last token's row
+    assert sharded["handwritten_sp"]["collectives"] == {"all_gather": 6, "reduce_scatter": 4}
+    assert "hcpasses SP vs hand-written SP" in done.stdout
