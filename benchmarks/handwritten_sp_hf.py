@@ -35,10 +35,11 @@ padded with zero rows (the last ranks hold the padding; T < tp leaves some ranks
 
 Collectives per forward at tp > 1, with D decoder layers and P PLE layers: 2D all-gathers of x, 2D reduce-scatters,
 P halo all-gathers, one final all-gather, and no all-reduce (the streams are never reduced nor gathered). At tp = 1
-there are none. They are the ``torch.ops._c10d_functional`` ops that the functional collectives lower to (the same
-ops in eager and in Dynamo's graph, on torch 2.11 and 2.13: 2.13 deprecates ``all_gather_tensor`` /
-``reduce_scatter_tensor`` in favour of ``*_single`` wrappers that 2.11 lacks), on the TP group given (default: the
-default group, as ``shard_for_tp``), so simulated TP's stand-ins serve them and real gloo / NCCL run them.
+there are none. They are the ``torch.ops._c10d_functional`` ops that the functional collectives lower to, called
+directly as ``hcpasses.testing.models.sp_handwritten`` does (the same ops in eager and in Dynamo's graph on torch 2.11
+and 2.13, whereas 2.13 deprecates the ``all_gather_tensor`` / ``reduce_scatter_tensor`` wrappers with a warning per
+eager call), on the TP group given (default: the default group, as ``shard_for_tp``), so simulated TP's stand-ins
+serve them and real gloo / NCCL run them.
 
 Not supported, each refused with a ``ValueError`` that names it: another model family (deepseek_v4 has no
 hand-written SP here), a batch of more than one sequence, a model that ``shard_for_tp`` did not shard for the
