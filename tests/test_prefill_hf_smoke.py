@@ -64,13 +64,26 @@ def test_hc_bound_and_error_records() -> None:
 
 
 def test_hcpasses_vs_handwritten_is_handwritten_ms_over_hcpasses_ms() -> None:
-    variants = {"handwritten_sp": {"kernel_ms": 3.0, "wall_ms": 4.0}, "hcpasses_sp": {"kernel_ms": 2.0, "wall_ms": 5.0}}
-    assert prefill_hf.vs_handwritten(variants) == {"kernel_ms": 1.5, "wall_ms": 0.8}
+    variants = {
+        "handwritten_sp": {"compute_ms": 2.4, "kernel_ms": 3.0, "wall_ms": 4.0},
+        "hcpasses_sp": {"compute_ms": 2.0, "kernel_ms": 2.0, "wall_ms": 5.0},
+    }
+    assert prefill_hf.vs_handwritten(variants) == pytest.approx({"compute_ms": 1.2, "kernel_ms": 1.5, "wall_ms": 0.8})
     assert prefill_hf.vs_handwritten({**variants, "handwritten_sp": {"error": "ValueError: deepseek_v4"}}) == {}
     assert prefill_hf.vs_handwritten({"hcpasses_sp": variants["hcpasses_sp"]}) == {}
     case = {"model": "qwen4_exp", "dtype": "bf16", "tp": 2, "tokens": 16, "variants": {}}
     case["hcpasses_vs_handwritten"] = prefill_hf.vs_handwritten(variants)
-    assert "hand-written ms / hcpasses ms): kernel 1.500x, wall 0.800x" in prefill_hf.table({"cases": [case]})
+    assert "hand-written ms / hcpasses ms): compute 1.200x, wall 0.800x" in prefill_hf.table({"cases": [case]})
+
+
+def test_sp_gains_are_fractions_of_sp_off_and_of_the_bound() -> None:
+    variants = {"sp_off": {"compute_ms": 20.0, "wall_ms": 25.0}, "hcpasses_sp": {"compute_ms": 15.0, "wall_ms": 21.0}}
+    gains = prefill_hf.sp_gains(variants, bound=0.3)
+    assert gains == pytest.approx(
+        {"sp_compute_gain": 0.25, "sp_gain_of_bound": 0.25 / 0.3, "sp_wall_over_compute_gain": 0.16 / 0.25}
+    )
+    assert prefill_hf.sp_gains({"sp_off": variants["sp_off"], "hcpasses_sp": {"error": "x"}}, bound=0.3) == {}
+    assert prefill_hf.sp_gains(variants, bound=0.0) == {"sp_compute_gain": 0.25}  # tp 1
 
 
 def test_subsets_are_checked() -> None:
@@ -95,6 +108,9 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
             assert "error" not in row, (variant, row["error"])
             assert row["kernels"] > 0 and row["kernel_ms"] > 0 and row["compile_s"] > 0
             assert (row["comm_ms"] > 0) == (case["tp"] == 2)
+            # the stand-in collectives' time is taken out of compute (tp 1 runs none)
+            assert (row["standin_ms"] > 0) == (case["tp"] == 2)
+            assert row["compute_ms"] == pytest.approx(row["kernel_ms"] - row["standin_ms"])
             if variant == "inductor":
                 assert row["rel_diff_vs_inductor"] == 0.0 and "reports" not in row
                 continue
@@ -108,7 +124,11 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
             # no comparison where the stand-in gathers make the rows another rank's copies
             assert (row["rel_diff_vs_inductor"] is None) == row["sp_applied"], (variant, row["rel_diff_vs_inductor"])
         assert 0 < case["hc_share"] < 1 and case["hc_bound"] == pytest.approx(case["hc_share"] * (1 - 1 / case["tp"]))
-        assert set(case["hcpasses_vs_handwritten"]) == {"kernel_ms", "wall_ms"}
+        assert set(case["hcpasses_vs_handwritten"]) == {"compute_ms", "kernel_ms", "wall_ms"}
+        if case["tp"] == 2:
+            assert case["sp_gain_of_bound"] == pytest.approx(case["sp_compute_gain"] / case["hc_bound"])
+        else:  # nothing to shard at tp 1: no bound to be a fraction of
+            assert "sp_gain_of_bound" not in case
         assert all(ratio > 0 for ratio in case["hcpasses_vs_handwritten"].values())
     sharded = report["cases"][1]["variants"]
     assert sharded["sp_off"]["collectives"] == {"all_reduce": 4}  # 2 layers x (token mixer + MoE)
