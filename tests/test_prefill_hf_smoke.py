@@ -77,10 +77,13 @@ def test_hcpasses_vs_handwritten_is_handwritten_ms_over_hcpasses_ms() -> None:
 
 
 def test_sp_gains_are_fractions_of_sp_off_and_of_the_bound() -> None:
-    variants = {"sp_off": {"compute_ms": 20.0, "wall_ms": 25.0}, "hcpasses_sp": {"compute_ms": 15.0, "wall_ms": 21.0}}
+    variants = {
+        "sp_off": {"compute_ms": 20.0, "kernel_ms": 20.0, "wall_ms": 25.0},
+        "hcpasses_sp": {"compute_ms": 15.0, "kernel_ms": 16.0, "wall_ms": 21.0},
+    }
     gains = prefill_hf.sp_gains(variants, bound=0.3)
     assert gains == pytest.approx(
-        {"sp_compute_gain": 0.25, "sp_gain_of_bound": 0.25 / 0.3, "sp_wall_over_compute_gain": 0.16 / 0.25}
+        {"sp_compute_gain": 0.25, "sp_gain_of_bound": 0.25 / 0.3, "sp_wall_over_kernel_gain": 0.16 / 0.2}
     )
     assert prefill_hf.sp_gains({"sp_off": variants["sp_off"], "hcpasses_sp": {"error": "x"}}, bound=0.3) == {}
     assert prefill_hf.sp_gains(variants, bound=0.0) == {"sp_compute_gain": 0.25}  # tp 1
