@@ -11,8 +11,8 @@ from harness.reference import collective_counts
 
 from hcpasses.passes.sp_rewrite.collectives import find_all_reduces
 from hcpasses.passes.sp_rewrite.emit import rewrite_region
-from hcpasses.passes.sp_rewrite.graph import descendants
-from hcpasses.passes.sp_rewrite.region import find_regions, island_groups
+from hcpasses.passes.sp_rewrite.graph import ancestors
+from hcpasses.passes.sp_rewrite.region import find_regions
 from hcpasses.passes.sp_rewrite.tokens import stream_value
 from hcpasses.patterns.collapse import CollapseFinder
 from hcpasses.testing.models import HCConfig, HCDecoder
@@ -37,30 +37,28 @@ def check_parts(ple_layer: int | None) -> None:
         plan = find_regions(graph, collapses, reduces)
         assert graph.python_code("self").src == before, "the analysis changed the graph"
         assert plan.tokens == TOKENS
-        # Every block is sharded in one region; the PLE conv (over tokens) runs on all rows inside it (an island):
-        # its input is gathered, its token-leading output enters sharded, and E[ids] enters sharded where the
-        # region adds it (a full-size term added in).
-        assert plan.cuts == ()
-        [region] = plan.regions
-        assert list(region.collapses) == collapses and region.why_start == "first HC block of the graph"
-        kinds = sorted(entry.kind for entry in region.entries)
+        # Every block is sharded; the PLE conv (over tokens) cuts the blocks before it from those after it.
         if ple_layer is None:
-            assert region.islands == frozenset() and kinds == []
+            assert plan.cuts == ()
+            [region] = plan.regions
+            assert list(region.collapses) == collapses and region.why_start == "first HC block of the graph"
         else:
+            [cut] = plan.cuts
             conv = next(node for node in graph.nodes if node.target is torch.ops.aten.convolution.default)
-            [island] = island_groups(region.islands)
-            assert conv in island and not island & region.nodes
-            [gathered] = [exit_ for exit_ in region.exits if set(exit_.users) & island]
-            assert conv in descendants(graph, [gathered.value]) and not gathered.stream_wide  # z [T, S]
-            assert kinds == ["island", "stream_term"], kinds
+            assert cut.node in ancestors([conv]) and "tokens" in str(cut), cut  # the PLE conv's input layout
+            first, second = plan.regions
+            assert list(first.collapses) == collapses[: 2 * ple_layer]
+            assert list(second.collapses) == collapses[2 * ple_layer :]
+            assert second.why_start == f"first HC block after {cut}"
         assert [r.start for r in plan.regions] == [stream_value(r.collapses[0]) for r in plan.regions]
         assert sum(len(r.reduces) for r in plan.regions) == 2 * LAYERS
         for region in plan.regions:
             rewrite_region(graph, region)
         refresh_fake_values(graph)  # the manager's part after a resizing pass
         verify_graph(graph)
-    # Each sub-layer input and the final mixer output are gathered, and the PLE conv's input z [T, S].
-    gathers = 2 * LAYERS + 1 + (ple_layer is not None)
+    # Each sub-layer input and the final mixer output are gathered; at the PLE cut, what the PLE reads: the
+    # streams (h + conv) and the conv's input, whose row-local part the region computes.
+    gathers = 2 * LAYERS + 1 + 2 * (ple_layer is not None)
     want = {"all_reduce": 0, "reduce_scatter": 2 * LAYERS, "all_gather": gathers}
     assert collective_counts(captured.gm) == want
 

@@ -34,22 +34,12 @@ How the region is found:
 - A full-size term added into the streams from outside (an MTP drafter's projected next-token embedding,
   ``streams = norm(state) + e``) is sharded where it joins: streams are replicated, so is the term. So a
   target's HC state flows into its drafter still sharded when both are in one graph.
-- A value computed from the token ids and weights alone (qwen4_exp's PLE n-gram keys and values) is the
-  same on every rank: a region node reads this rank's rows of it (``shard_rows``), like a full-size term.
-- Islands: a node that is not row-local (the PLE's short conv along the tokens, the transposes around it)
-  runs on all rows inside the region, as it did before, and so does every node that reads what it makes
-  until a value comes back of the shape of the region node that reads it. The region values it reads are
-  gathered for it and that value enters the region sharded::
+- Regions are cut block by block: a node that fails a check (e.g. the PLE conv over tokens, or a block
+  whose norm the analysis cannot read) ends the region before it, the values it reads are gathered
+  there, and the next HC block after it starts a new region. So one unfamiliar piece costs only the
+  blocks it touches; the report lists every cut with its node and reason::
 
-      h -> [HC blocks, sharded] -> z -> all_gather(z) -> PLE conv (all rows) -> shard_rows -> + -> [HC blocks, sharded]
-
-  So an unfamiliar piece costs only itself; the report names each island, what was gathered for it and
-  what came back.
-- Regions are cut block by block where an island cannot help: a collapse or a TP partial sum that is not
-  row-local, a node reading a value with tokens that is not known to be the same on every rank, or a
-  block whose norm the analysis cannot read ends the region before that node, the values it reads are
-  gathered there, and the next HC block after it starts a new region. The report lists every cut with its
-  node and reason.
+      h -> [HC blocks, sharded] -> all_gather(h) -> PLE conv (full rows) -> shard_rows -> [HC blocks, sharded]
 
 Groups: a region shards over the group of the all-reduces it replaces, whichever group that is (the default one,
 or a TP group a DP x TP job made with ``dist.new_group``): rank r and tp above are this process's rank in that
@@ -80,7 +70,7 @@ import torch.fx as fx
 from hcpasses.graph_pass import GraphPass, PassResult, ShardedTokens
 from hcpasses.passes.sp_rewrite.collectives import AllReduceMatch, find_all_reduces
 from hcpasses.passes.sp_rewrite.emit import rewrite_region
-from hcpasses.passes.sp_rewrite.region import Plan, find_regions, island_groups
+from hcpasses.passes.sp_rewrite.region import Plan, find_regions
 from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.collapse import CollapseFinder
 
@@ -155,19 +145,7 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         ]
     exits = [exit_ for region in plan.regions for exit_ in region.exits]
     streams = [exit_.value.name for exit_ in exits if exit_.stream_wide]
-    entries = _entries(plan, "stream_term")
-    for region in plan.regions:
-        for island in island_groups(region.islands):
-            gathered = sorted(exit_.value.name for exit_ in region.exits if set(exit_.users) & island)
-            entered = sorted({e.operand.name for e in region.entries if e.operand in island})
-            notes.append(
-                f"  runs on all rows inside the region (not row-local): {', '.join(sorted(n.name for n in island))}; "
-                f"gathered for it: {', '.join(gathered) or 'none'}; its values entered sharded: "
-                f"{', '.join(entered) or 'none'}"
-            )
-        ids = sorted({e.operand.name for e in region.entries if e.kind == "ids"})
-        if ids:
-            notes.append(f"  values of the token ids alone entered sharded: {', '.join(ids)}")
+    entries = sum(len(region.entries) for region in plan.regions)
     return [
         *notes,
         *(f"region cut at {cut}" for cut in plan.cuts),
@@ -185,12 +163,6 @@ def _plan_facts(plan: Plan) -> dict[str, int]:
     exits = [exit_ for region in plan.regions for exit_ in region.exits]
     return {
         "streams_gathered": sum(exit_.stream_wide for exit_ in exits),
-        "entries_sharded": _entries(plan, "stream_term"),
-        "ids_entries_sharded": _entries(plan, "ids"),
-        "islands": sum(len(island_groups(region.islands)) for region in plan.regions),
+        "entries_sharded": sum(len(region.entries) for region in plan.regions),
         "cuts": len(plan.cuts),
     }
-
-
-def _entries(plan: Plan, kind: str) -> int:
-    return sum(entry.kind == kind for region in plan.regions for entry in region.entries)

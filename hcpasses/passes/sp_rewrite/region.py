@@ -10,6 +10,7 @@ a full-size term entering the streams), token dims the leading dims of each valu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import operator
 from collections.abc import Iterable, Mapping
@@ -21,10 +22,10 @@ import torch.fx as fx
 from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
 from hcpasses.passes.sp_rewrite.rules import SIZE_OPS, RowRules
-from hcpasses.passes.sp_rewrite.tokens import Size, collapse_tokens, first_tensor, resolve_size, same_size, stream_value
+from hcpasses.passes.sp_rewrite.tokens import Size, collapse_tokens, resolve_size, same_size, stream_value
 from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.collapse import FoundCollapse
-from hcpasses.patterns.tracing import same_sizes, value_of
+from hcpasses.patterns.tracing import value_of
 
 SYM_SIZE = torch.ops.aten.sym_size.int
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -32,13 +33,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A full-size replicated value from outside that a region node reads: sharded there. ``kind`` says why it is
-    replicated: ``stream_term`` (added into the streams, ``user = region_value + operand``), ``ids`` (computed from the
-    token ids and weights alone) or ``island`` (an island's value: computed from gathered values)."""
+    """A full-size term from outside added into the streams (``user = region_value + operand``): sharded there."""
 
     user: fx.Node
     operand: fx.Node
-    kind: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +67,6 @@ class Region:
     reduces: tuple[AllReduceMatch, ...]
     collapses: tuple[FoundCollapse, ...]
     entries: tuple[Entry, ...]
-    islands: frozenset[fx.Node]  # nodes among the region's that run on all rows (``_whole_rows``), left as they are
     exits: tuple[Exit, ...]
     tokens: Any
     dims: Mapping[fx.Node, int]
@@ -112,14 +109,11 @@ def find_regions(graph: fx.Graph, collapses: list[FoundCollapse], reduces: Itera
     reduces = tuple(reduces)
     order = node_order(graph)
     tokens = collapse_tokens(collapses[0])
-    ids = [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)]
-    carriers = descendants(graph, ids + [m.all_reduce for m in reduces])
-    # Values computed from the ids and weights alone: reached from no stream value (so from no region: a value of
-    # another region is gathered there, never entered here), no sub-layer input and no all-reduce.
-    streams = [value for value in map(stream_value, collapses) if isinstance(value, fx.Node)]
-    outputs = [out for c in collapses for out in c.outputs]
-    replicated = descendants(graph, ids) - descendants(graph, [*streams, *outputs, *(m.all_reduce for m in reduces)])
-    builder = _RegionBuilder(graph, order, RowRules(tokens, carriers, replicated), reduces)
+    carriers = descendants(
+        graph,
+        [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)] + [m.all_reduce for m in reduces],
+    )
+    builder = _RegionBuilder(graph, order, RowRules(tokens, carriers), reduces)
     regions: list[Region] = []
     cuts: list[NotShardable] = []
     first, why_start = 0, "first HC block of the graph"
@@ -197,71 +191,18 @@ class _RegionBuilder:
         """The region from ``start`` to the ``collapses`` and to ``sinks`` (the inputs of the node that cuts it:
         the region runs up to that node, which reads them gathered), checked node by node."""
         live = [start, *(m.wait for m in reduces)]  # values the region reads in full (start) or replaces (waits)
-        reached = self._reach(collapses, live, sinks)
-        verdict = next((verdict for verdict in map(self.rules.check_rows, live) if verdict), None)
-        if verdict:
-            return verdict
-        whole = self._whole_rows(reached, live, collapses, reduces)
-        if isinstance(whole, NotShardable):
-            return whole
-        nodes, islands, entries = whole
-        verdict = next((verdict for match in reduces if (verdict := self._check_partial_sum(match, nodes))), None)
-        if verdict:
-            return verdict
-        return self._resolve(start, why_start, nodes, reduces, collapses, entries, islands)
-
-    def _whole_rows(
-        self,
-        reached: set[fx.Node],
-        live: list[fx.Node],
-        collapses: list[FoundCollapse],
-        reduces: tuple[AllReduceMatch, ...],
-    ) -> tuple[frozenset[fx.Node], frozenset[fx.Node], tuple[Entry, ...]] | NotShardable:
-        """Splits the ``reached`` nodes into those that run on row shards and islands that run on all rows.
-
-        A node that cannot run on row shards (the PLE's short conv along the tokens and the transposes around it)
-        need not end the region: it runs on all rows, as it did before, and so does every node that reads what it
-        makes until a value leads with the tokens again. The region values the island reads are gathered for it
-        and the island's token-leading values enter the region sharded, like any replicated value (the island
-        computes them from gathered, replicated values). So an unfamiliar piece costs only itself, not the HC
-        blocks after it. A node may not be an island where that would change what the region's blocks mean: a
-        collapse, a sub-layer's partial sum, or a node reading a value with tokens that are not the same on
-        every rank; its refusal then cuts the region as before.
-        """
-        keep = {out for c in collapses for out in (c.root, *c.outputs)} | {m.partial for m in reduces}
-        islands: set[fx.Node] = set()
-        while True:
-            nodes = reached - islands
-            entries: list[Entry] = []
-            refusal = self._first_refusal(nodes, set(live) | nodes, islands, entries)
-            if refusal is None:
-                return frozenset(nodes), frozenset(islands), tuple(entries)
-            checked, verdict = refusal
-            if checked in keep or not self._reads_whole_rows(checked, set(live) | nodes, islands):
-                return verdict
-            islands.add(checked)  # one more node each round: the loop ends
-
-    def _first_refusal(
-        self, nodes: set[fx.Node], sharded: set[fx.Node], islands: set[fx.Node], entries: list[Entry]
-    ) -> tuple[fx.Node, NotShardable] | None:
-        """The first region node (in graph order) that cannot run on row shards, with why; ``entries`` gets the
-        values from outside that the others read sharded."""
-        for node in sorted(nodes, key=self.order.__getitem__):
-            verdict = self._check(node, sharded, islands, entries)
-            if verdict:
-                return node, verdict
-        return None
-
-    def _reads_whole_rows(self, node: fx.Node, sharded: set[fx.Node], islands: set[fx.Node]) -> bool:
-        """Whether ``node`` can run on all rows inside the region: every value it reads is a region value (gathered
-        for it), an island's, a replicated value, or carries no tokens."""
-        return all(
-            operand in sharded
-            or operand in islands
-            or operand in self.rules.replicated
-            or operand not in self.rules.token_carriers
-            for operand in node.all_input_nodes
+        nodes = self._reach(collapses, live, sinks)
+        sharded = nodes | set(live)
+        entries: list[Entry] = []
+        verdicts = itertools.chain(  # lazy: the first refusal is the region's, in this order
+            (self.rules.check_rows(node) for node in live),
+            (self._check(node, sharded, entries) for node in sorted(nodes, key=self.order.__getitem__)),
+            (self._check_partial_sum(match, nodes) for match in reduces),
         )
+        verdict = next((verdict for verdict in verdicts if verdict), None)
+        if verdict:
+            return verdict
+        return self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries))
 
     def _reach(self, collapses: list[FoundCollapse], live: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> set[fx.Node]:
         """Every node reachable from the ``live`` values (the start, the reduces' waits) without passing through a
@@ -288,9 +229,7 @@ class _RegionBuilder:
         }
         return nodes | items
 
-    def _check(
-        self, node: fx.Node, sharded: set[fx.Node], islands: set[fx.Node], entries: list[Entry]
-    ) -> NotShardable | None:
+    def _check(self, node: fx.Node, sharded: set[fx.Node], entries: list[Entry]) -> NotShardable | None:
         verdict = self.rules.check_rows(node) or self.rules.check_op(node)
         if verdict:
             return verdict
@@ -298,30 +237,13 @@ class _RegionBuilder:
             for operand in tensor_operands(arg):
                 if operand in sharded:
                     continue
-                kind = self._enters_sharded(node, operand, islands)
-                if kind:
-                    entries.append(Entry(node, operand, kind))
+                if self.rules.enters_streams(node, operand):
+                    entries.append(Entry(node, operand))
                     continue
                 verdict = self.rules.check_operand(node, position, operand)
                 if verdict:
                     return verdict
         return None
-
-    def _enters_sharded(self, node: fx.Node, operand: fx.Node, islands: set[fx.Node]) -> str | None:
-        """The ``Entry.kind`` by which ``node`` reads this rank's rows of ``operand``, a full-size replicated value
-        from outside, or None: an island's value that leads with the tokens, a term added into the streams, a
-        value of the ids alone.
-
-        An island's value comes back the way a term joins the streams: as an operand of the node's own shape. (A
-        size-1 dim also "leads" N = 1 tokens: without this, the PLE conv's ``[1, S, T]`` input would come back into
-        the region at T = 1.)"""
-        if operand in islands:
-            val, out = value_of(operand), first_tensor(value_of(node))
-            joins = isinstance(val, torch.Tensor) and same_sizes(val.shape, out.shape)
-            return "island" if joins and self.rules.dims(operand) is not None else None
-        if self.rules.enters_streams(node, operand):
-            return "stream_term"
-        return "ids" if self.rules.replicated_rows(operand) else None
 
     def _check_partial_sum(self, match: AllReduceMatch, region: set[fx.Node]) -> NotShardable | None:
         """An all-reduce's input is a TP partial sum: each rank's share of every row. Computed in the region it
@@ -350,7 +272,6 @@ class _RegionBuilder:
         reduces: tuple[AllReduceMatch, ...],
         collapses: list[FoundCollapse],
         entries: tuple[Entry, ...],
-        islands: frozenset[fx.Node],
     ) -> Region | NotShardable:
         """Everything the emission needs, read off the unsharded graph: token dims, sizes to spell, exits."""
         dims = {start: self.rules.dims(start)}
@@ -388,23 +309,12 @@ class _RegionBuilder:
             reduces=reduces,
             collapses=tuple(collapses),
             entries=entries,
-            islands=islands,
             exits=tuple(exits),
             tokens=self.rules.tokens,
             dims=dims,
             reshapes=reshapes,
             token_size_reads=tuple(reads),
         )
-
-
-def island_groups(islands: frozenset[fx.Node]) -> list[frozenset[fx.Node]]:
-    """The islands of a region as connected pieces (nodes joined by a use), each in the order of its first node."""
-    groups: list[set[fx.Node]] = []
-    for node in islands:
-        joined = [g for g in groups if any(arg in g for arg in node.all_input_nodes) or any(u in g for u in node.users)]
-        merged = {node}.union(*joined)
-        groups = [g for g in groups if all(g is not j for j in joined)] + [merged]
-    return sorted(map(frozenset, groups), key=lambda g: min(n.name for n in g))
 
 
 def _is_integer_tensor(node: fx.Node) -> bool:

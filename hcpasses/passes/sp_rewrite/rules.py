@@ -39,13 +39,11 @@ ENTERS_STREAMS = (aten.add.Tensor, aten.sub.Tensor)
 
 class RowRules:
     """The checks for one graph whose values carry ``tokens`` rows; ``token_carriers`` are the values outside any
-    region that carry tokens of their own (integer inputs such as ids, all-reduce outputs, what they feed), and
-    ``replicated`` those of them computed from the token ids and weights alone (see ``replicated_rows``)."""
+    region that carry tokens of their own (integer inputs such as ids, all-reduce outputs, what they feed)."""
 
-    def __init__(self, tokens: Any, token_carriers: set[fx.Node], replicated: set[fx.Node]) -> None:
+    def __init__(self, tokens: Any, token_carriers: set[fx.Node]) -> None:
         self.tokens = tokens
         self.token_carriers = token_carriers
-        self.replicated = replicated
 
     def dims(self, node: fx.Node) -> int | None:
         """How many leading dims of ``node``'s value hold the tokens, or None."""
@@ -92,14 +90,6 @@ class RowRules:
             and val.dim() == out.dim()
             and all(same_size(a, b) for a, b in zip(val.shape, out.shape, strict=True))
         )
-
-    def replicated_rows(self, operand: fx.Node) -> bool:
-        """Whether ``operand``, from outside the region, holds all N token rows and the same values on every rank, so
-        that a region node may read this rank's rows of it (``shard_rows``). Such are the values computed from the
-        token ids and weights alone, reached from no sub-layer input and no all-reduce (qwen4_exp's PLE n-gram keys
-        and values): every rank of a TP group reads the same ids, and a value of a TP-sharded weight would be a
-        partial sum that only an all-reduce makes whole."""
-        return operand in self.replicated and token_dims(first_tensor(value_of(operand)), self.tokens) is not None
 
     def check_operand(self, node: fx.Node, position: int, operand: fx.Node) -> NotShardable | None:
         """An operand from outside the region: it must carry no tokens (a weight or constant broadcast over the
