@@ -40,6 +40,8 @@ from .simulator import simulate
 c10d = torch.ops._c10d_functional
 FUSED_OPS = (FUSED_GATED_MEAN, FUSED_WEIGHTED_SUM)
 FP32_BOUND = 1e-6
+# fp32 models with FP8 codes: rounding noise counts as exact up to this (assert_same_as_sp_off).
+FP32_FP8_NOISE_CAP = 1e-4
 
 
 @dataclasses.dataclass
@@ -156,25 +158,29 @@ def assert_same_as_sp_off(
     FP8-quantised (``fp8``): a last-bit difference of an fp32 intermediate (module docstring) may flip a
     bf16 rounding or an FP8 code, which moves one token's whole row (CI run: one of 149 rows, 11 values
     by one bf16 step, bf16 mHC at tp 4). There every value is within 3e-2 (one e4m3 step) and at most one
-    row per output, or 1 % of the values, differs at all (fp32: beyond 1e-6). A wrong row, a lost or
-    doubled reduce moves many rows by O(1).
+    row per output, or 1 % of the values, differs at all (fp32: beyond 1e-6, or, given ``eager``, beyond 4x the
+    SP-off graph's distance from eager up to 1e-4: the fp32 noise of an FP8 model grows through its blocks as it
+    does without FP8; CI run, mHC fp32 tp 8 T = 12, three blocks, the first quantised: 3 rows up to 2.1e-6 off SP
+    off, which is 2.8e-6 from eager; a flipped code moves values by about 1e-2). A wrong row, a lost or doubled
+    reduce moves many rows by O(1).
     """
     assert len(sharded) == len(unsharded), (len(sharded), len(unsharded))
     for index, (got, want) in enumerate(zip(sharded, unsharded, strict=True)):
         assert got.shape == want.shape and got.dtype == want.dtype, (index, got.shape, want.shape)
         if not got.is_floating_point():
             assert torch.equal(got, want), f"output {index} ({got.dtype}) differs from SP off: {_worst(got, want)}"
-        elif got.dtype == torch.float32 and not fp8:
-            noise = float((want - eager[index]).abs().max()) if eager is not None else 0.0
+            continue
+        noise = float((want - eager[index]).abs().max()) if eager is not None else 0.0
+        if got.dtype == torch.float32 and not fp8:
             bound = max(FP32_BOUND, 4 * noise)
             torch.testing.assert_close(got, want, rtol=FP32_BOUND, atol=bound, msg=f"output {index}")
         else:
-            _assert_flips_confined(got, want, index)
+            exact = max(FP32_BOUND, min(4 * noise, FP32_FP8_NOISE_CAP)) if got.dtype == torch.float32 else 0.0
+            _assert_flips_confined(got, want, index, exact)
 
 
-def _assert_flips_confined(got: torch.Tensor, want: torch.Tensor, index: int) -> None:
-    """At most one row (or 1 % of the values) off, by at most one e4m3 step: see assert_same_as_sp_off."""
-    exact = FP32_BOUND if got.dtype == torch.float32 else 0.0
+def _assert_flips_confined(got: torch.Tensor, want: torch.Tensor, index: int, exact: float) -> None:
+    """At most one row (or 1 % of the values) beyond ``exact``, by at most one e4m3 step: see assert_same_as_sp_off."""
     got, want = got.float(), want.float()
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2, msg=f"output {index}: {_worst(got, want)}")
     off = (got - want).abs() > exact * (1 + want.abs())
