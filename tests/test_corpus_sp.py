@@ -1,6 +1,7 @@
 """SP on HC models written independently of ``models/`` (``tests/corpus``): every grouped-norm spelling and every
 collapse spelling of ``corpus.collapses`` shards every HC block at tp 2 on the simulator (the gated means and the
-broadcasting ``@`` found as collapses by evaluation; strict xfail for the two whose inner values SP cannot shard); a
+broadcasting ``@`` found as collapses by evaluation, the einsum and the stack whose inner values hold the tokens
+merged with the hidden dim or behind the stream axis among them); a
 causal conv over tokens in a later layer cuts the region there and the blocks on both sides stay sharded; outputs
 equal the SP-off graph (exact but for last-bit roundings, which move at most one token row) and eager."""
 
@@ -59,11 +60,9 @@ def test_every_norm_spelling_shards_every_block(
         torch.testing.assert_close(rank_outputs[0].float(), expected.float(), rtol=tol, atol=tol)
 
 
-# Gated means found (by evaluation) whose inner values do not lead with the token dim: the einsum's bmm operands
-# ([T*S, 1, n] x [T*S, n, 1]) and the stack's [n, T, S]. SP's row rules find no token dim to shard there yet and
-# leave the region unsharded, naming those nodes.
-INNER_ROWS_NOT_LEADING = {"einsum", "stack_mean"}
-XFAIL = pytest.mark.xfail(strict=True, reason="collapse found, but its inner values do not lead with the tokens")
+# Gated means found (by evaluation) whose inner values do not lead with the token dim: the einsum's per-token
+# products ([T*S, 1, n] x [T*S, n, 1], tokens merged with the hidden dim) and the stack's [n*T, S] / [n, T, S]
+# (streams in front). Their layouts follow each op (sp_rewrite.tokens.Layout), so SP shards them like the rest.
 # One representative of each family in the quick run; the rest (~5-10 s a capture at tp 2) in the thorough one.
 QUICK = {"einsum", "fp32_einsum"}
 
@@ -72,8 +71,7 @@ def collapse_cases(names: list[str]) -> list:
     params = []
     for name in names:
         for dtype in (torch.float32, torch.bfloat16):
-            marks = [XFAIL] if name in INNER_ROWS_NOT_LEADING else []
-            marks += [] if name in QUICK and dtype == torch.float32 else [pytest.mark.thorough]
+            marks = [] if name in QUICK and dtype == torch.float32 else [pytest.mark.thorough]
             params.append(pytest.param(name, dtype, marks=marks, id=f"{name}-{dtype}"))
     return params
 

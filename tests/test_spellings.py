@@ -233,7 +233,7 @@ class PaddedGemmResidual(GatedResidual):
     ("row_pad", "cut"),
     [
         (None, None),
-        ("align", "result (16, 96) does not lead with the 9 tokens"),
+        ("align", "pads a token dim"),
         ("shift", "pads a token dim"),
     ],
     ids=["pads_k_and_n", "pads_token_rows", "shifts_token_rows"],

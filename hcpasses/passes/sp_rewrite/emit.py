@@ -2,8 +2,8 @@
 resolved there, so the emitters only insert nodes and rewire uses; a rewrite that starts always finishes.
 
 The start and the full-size entries are sharded (``hcpasses::shard_rows``), each all-reduce becomes pad +
-reduce-scatter, size arguments of reshapes take ``[1, ..., 1, R]`` token dims, and every exit is all-gathered
-(FP8 as bytes) and trimmed to the N rows. Row arithmetic is ``hcpasses.rows``'s, applied to ints or, for a
+reduce-scatter, size arguments of reshapes take a shard's token dims (``Layout.sharded_sizes``), and every exit is
+all-gathered (FP8 as bytes) and trimmed to the N rows. Row arithmetic is ``hcpasses.rows``'s, applied to ints or, for a
 symbolic N, to ``fx.Proxy`` values so that the same functions emit the graph's ``operator`` nodes.
 """
 
@@ -55,8 +55,9 @@ class _Emitter:
             with graph.inserting_before(entry.user):
                 entry.user.replace_input_with(entry.operand, self._shard(entry.operand))
         local = {match.wait: self._reduce_scatter(match) for match in region.reduces}
-        for node in region.reshapes:
-            sizes = [*shard_token_sizes(self.rows, region.dims[node]), *node.args[1][region.dims[node] :]]
+        for node, layout in region.reshapes:
+            with graph.inserting_before(node):  # a symbolic R times a layout's factors: new nodes, before the use
+                sizes = [_node(size) for size in layout.sharded_sizes(node.args[1], _proxy(self.rows))]
             node.args = (node.args[0], sizes, *node.args[2:])
         for exit_ in region.exits:
             source = local.get(exit_.value, exit_.value)

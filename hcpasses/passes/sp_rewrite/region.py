@@ -22,7 +22,16 @@ import torch.fx as fx
 from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
 from hcpasses.passes.sp_rewrite.rules import SIZE_OPS, RowRules
-from hcpasses.passes.sp_rewrite.tokens import Size, collapse_tokens, resolve_size, same_size, stream_value
+from hcpasses.passes.sp_rewrite.tokens import (
+    Layout,
+    Size,
+    collapse_tokens,
+    first_tensor,
+    leading_layout,
+    resolve_size,
+    same_size,
+    stream_value,
+)
 from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.collapse import FoundCollapse
 from hcpasses.patterns.tracing import value_of
@@ -55,10 +64,11 @@ class Exit:
 class Region:
     """One stretch of the graph that runs on this rank's token rows, and all that its rewrite needs.
 
-    ``nodes`` run on shards (``start`` and the waits of ``reduces`` are not among them: the start stays full for
-    its users outside, the waits are replaced). ``dims`` holds the token dims of every value the rewrite touches.
-    ``start_sizes`` are the start's token sizes (what ``Size`` values refer to); ``tokens`` is N. Its all-reduces
-    sum over one group, ``group``, which its rows are sharded over (the planner cuts where the group changes).
+        ``nodes`` run on shards (``start`` and the waits of ``reduces`` are not among them: the start stays full for
+        its users outside, the waits are replaced). ``dims`` holds the token dims of every value the region shards,
+    reduce-scatters or gathers (they lead with their tokens); ``reshapes`` the layout of every reshape in it.
+        ``start_sizes`` are the start's token sizes (what ``Size`` values refer to); ``tokens`` is N. Its all-reduces
+        sum over one group, ``group``, which its rows are sharded over (the planner cuts where the group changes).
     """
 
     start: fx.Node
@@ -70,7 +80,7 @@ class Region:
     exits: tuple[Exit, ...]
     tokens: Any
     dims: Mapping[fx.Node, int]
-    reshapes: tuple[fx.Node, ...]  # region nodes whose size argument gets [1, ..., 1, R] token dims
+    reshapes: tuple[tuple[fx.Node, Layout], ...]  # region nodes whose size argument gets a shard's token dims
     token_size_reads: tuple[tuple[fx.Node, Size], ...]  # sym_size of a region value's token dim, and its value
 
     def __post_init__(self) -> None:
@@ -192,17 +202,24 @@ class _RegionBuilder:
         the region runs up to that node, which reads them gathered), checked node by node."""
         live = [start, *(m.wait for m in reduces)]  # values the region reads in full (start) or replaces (waits)
         nodes = self._reach(collapses, live, sinks)
-        sharded = nodes | set(live)
+        layouts: dict[fx.Node, Layout] = {}
         entries: list[Entry] = []
         verdicts = itertools.chain(  # lazy: the first refusal is the region's, in this order
-            (self.rules.check_rows(node) for node in live),
-            (self._check(node, sharded, entries) for node in sorted(nodes, key=self.order.__getitem__)),
+            (self._check_live(node, layouts) for node in live),
+            (self._check(node, layouts, entries) for node in sorted(nodes, key=self.order.__getitem__)),
             (self._check_partial_sum(match, nodes) for match in reduces),
         )
         verdict = next((verdict for verdict in verdicts if verdict), None)
         if verdict:
             return verdict
-        return self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries))
+        return self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts)
+
+    def _check_live(self, node: fx.Node, layouts: dict[fx.Node, Layout]) -> NotShardable | None:
+        """The start or a reduce's wait: it leads with the tokens (it is sharded or reduce-scattered)."""
+        verdict = self.rules.check_leading(node)
+        if verdict is None:
+            layouts[node] = leading_layout(first_tensor(value_of(node)), self.rules.tokens)
+        return verdict
 
     def _reach(self, collapses: list[FoundCollapse], live: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> set[fx.Node]:
         """Every node reachable from the ``live`` values (the start, the reduces' waits) without passing through a
@@ -229,18 +246,21 @@ class _RegionBuilder:
         }
         return nodes | items
 
-    def _check(self, node: fx.Node, sharded: set[fx.Node], entries: list[Entry]) -> NotShardable | None:
-        verdict = self.rules.check_rows(node) or self.rules.check_op(node)
-        if verdict:
-            return verdict
+    def _check(self, node: fx.Node, layouts: dict[fx.Node, Layout], entries: list[Entry]) -> NotShardable | None:
+        """``node`` runs on row shards: its layout follows from its region operands' (``layouts``, filled in
+        graph order), and every operand from outside carries no tokens or is a term entering the streams."""
+        layout = self.rules.layout(node, layouts)
+        if isinstance(layout, NotShardable):
+            return layout
+        layouts[node] = layout
         for position, arg in enumerate(node.args):
             for operand in tensor_operands(arg):
-                if operand in sharded:
+                if operand in layouts:
                     continue
-                if self.rules.enters_streams(node, operand):
+                if self.rules.enters_streams(node, operand, layouts):
                     entries.append(Entry(node, operand))
                     continue
-                verdict = self.rules.check_operand(node, position, operand)
+                verdict = self.rules.check_operand(node, position, operand, layout)
                 if verdict:
                     return verdict
         return None
@@ -272,17 +292,18 @@ class _RegionBuilder:
         reduces: tuple[AllReduceMatch, ...],
         collapses: list[FoundCollapse],
         entries: tuple[Entry, ...],
+        layouts: Mapping[fx.Node, Layout],
     ) -> Region | NotShardable:
         """Everything the emission needs, read off the unsharded graph: token dims, sizes to spell, exits."""
         dims = {start: self.rules.dims(start)}
-        for node in [*nodes, *(m.partial for m in reduces), *(e.operand for e in entries)]:
+        for node in [*(m.partial for m in reduces), *(e.operand for e in entries)]:
             dims[node] = self.rules.dims(node)
         for match in reduces:
             dims[match.wait] = dims[match.partial]
         start_sizes = tuple(value_of(start).shape[: dims[start]])
         reads = []
         for node in self.graph.nodes:  # sym_size of a token dim of a region value: read off the unsharded start
-            if node.target is SYM_SIZE and node.args[0] in nodes and node.args[1] < dims[node.args[0]]:
+            if node.target is SYM_SIZE and node.args[0] in nodes and layouts[node.args[0]].holds(node.args[1]):
                 size = resolve_size(value_of(node.args[0]).shape[node.args[1]], start_sizes, self.rules.tokens)
                 if size is None:
                     return NotShardable(f"token size {value_of(node)} is neither N nor one of the start's sizes", node)
@@ -295,13 +316,19 @@ class _RegionBuilder:
             val = value_of(value)
             if not users or not isinstance(val, torch.Tensor):
                 continue
-            k = dims[value]
+            k = layouts[value].leading_dims(val.shape)
+            if k is None:
+                why = f"read outside the region, but holds its tokens as {layouts[value]}, not as its leading dims"
+                return NotShardable(why, value)
+            verdict = self.rules.check_leading(value)
+            if verdict:
+                return verdict
+            dims[value] = k
             sizes = tuple(resolve_size(size, start_sizes, self.rules.tokens) for size in val.shape[:k])
             if None in sizes:
                 return NotShardable(f"token sizes {tuple(val.shape[:k])} are not the start's sizes nor N", value)
             wide = same_size(math.prod(val.shape[k:]), stream_width)
             exits.append(Exit(value, users, sizes, val.dtype in FP8_DTYPES, wide))
-        reshapes = tuple(node for node in nodes if node.target in SIZE_OPS)
         return Region(
             start=start,
             why_start=why_start,
@@ -312,7 +339,7 @@ class _RegionBuilder:
             exits=tuple(exits),
             tokens=self.rules.tokens,
             dims=dims,
-            reshapes=reshapes,
+            reshapes=tuple((node, layouts[node]) for node in nodes if node.target in SIZE_OPS),
             token_size_reads=tuple(reads),
         )
 

@@ -1,21 +1,34 @@
-"""Row-locality rules: which ops may run on a shard of the token rows, and which operands they may read.
+"""Row-locality rules: which ops may run on a shard of the token rows, which operands they may read, and where
+their results hold the tokens (``Layout``).
 
-Every check returns a ``NotShardable`` naming the node the region must not reach (the checked node, or the operand
-whose layout breaks it) and why, or ``None`` when the node can run on row shards. Op knowledge is a table
-(``OP_RULES``) of checks; ops not in it are row-local when they are elementwise, pointwise-tagged or the fused
-collapse ops.
+A region node's layout follows from its region operands' layouts by what the op does (``RowRules.layout``): a
+pointwise op keeps its operands' (which must agree), a reduction or a dim op shifts it, a reshape regroups it
+(``reshaped_layout``), a ``cat`` of per-stream values along their token dim stacks them (``outer``). Every check
+returns a ``NotShardable`` naming the node the region must not reach (the checked node, or the operand whose layout
+breaks it) and why. Op knowledge is a table (``OP_RULES``); ops not in it are row-local when they are elementwise,
+pointwise-tagged or the fused collapse ops. The values a region shards, reduce-scatters or gathers lead with their
+tokens (``check_leading``).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from hcpasses.passes.sp_rewrite.tokens import first_tensor, same_size, token_dims
+from hcpasses.passes.sp_rewrite.graph import tensor_operands
+from hcpasses.passes.sp_rewrite.tokens import (
+    Layout,
+    first_tensor,
+    leading_layout,
+    normalized,
+    reshaped_layout,
+    same_size,
+    token_dims,
+)
 from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.tracing import value_of
 
@@ -35,6 +48,8 @@ DIM_OPS = {  # op -> (position of its dim argument, default dim)
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 ELEMENTWISE = {prims.convert_element_type.default, aten.clone.default, aten._to_copy.default}
 ENTERS_STREAMS = (aten.add.Tensor, aten.sub.Tensor)
+SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+Layouts = Mapping[fx.Node, Layout]
 
 
 class RowRules:
@@ -49,8 +64,9 @@ class RowRules:
         """How many leading dims of ``node``'s value hold the tokens, or None."""
         return token_dims(first_tensor(value_of(node)), self.tokens)
 
-    def check_rows(self, node: fx.Node) -> NotShardable | None:
-        """Every tensor the node makes leads with the tokens, with static sizes after several token dims."""
+    def check_leading(self, node: fx.Node) -> NotShardable | None:
+        """Every tensor the node makes leads with the tokens, with static sizes after several token dims: a value
+        the region shards, reduce-scatters or gathers (the collectives move ``[tokens, ...]`` rows)."""
         vals = value_of(node)
         for val in vals if isinstance(vals, (list, tuple)) else (vals,):
             if not isinstance(val, torch.Tensor):
@@ -62,38 +78,82 @@ class RowRules:
                 return NotShardable(f"result {tuple(val.shape)} has symbolic sizes after its token dims", node)
         return None
 
-    def check_op(self, node: fx.Node) -> NotShardable | None:
+    def layout(self, node: fx.Node, layouts: Layouts) -> Layout | NotShardable:
+        """Where ``node``'s results hold the tokens, from the ``layouts`` of its region operands; a
+        ``NotShardable`` where it cannot run on row shards."""
         rule = OP_RULES.get(node.target)
         if rule is not None:
-            k = self.dims(_source(node))
-            return _no_tokens_in(self, _source(node)) if k is None else rule(self, node, k)
-        target = node.target
-        if (
-            target in ELEMENTWISE
-            or target in FUSED_COLLAPSES
-            or target is operator.getitem
-            or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+            source = _source(node)
+            layout = rule(self, node, layouts[source], layouts) if source in layouts else _no_tokens_in(self, source)
+        elif node.target is operator.getitem:
+            layout = self._item(node, layouts)
+        elif node.target in FUSED_COLLAPSES:
+            layout = self._per_token(node, layouts)
+        elif node.target in ELEMENTWISE or (
+            isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
         ):
-            return None
-        return NotShardable("not known to be row-local", node)
+            layout = self._broadcast(node, layouts)
+        else:
+            return NotShardable("not known to be row-local", node)
+        if isinstance(layout, NotShardable):
+            return layout
+        vals = value_of(node)
+        for val in vals if isinstance(vals, (list, tuple)) else (vals,):
+            if isinstance(val, torch.Tensor) and not layout.matches(val.shape, self.tokens):
+                why = f"result {tuple(val.shape)} does not hold the {self.tokens} tokens as {layout}"
+                return NotShardable(why, node)
+        return layout
 
-    def enters_streams(self, node: fx.Node, operand: fx.Node) -> bool:
+    def _broadcast(self, node: fx.Node, layouts: Layouts) -> Layout | NotShardable:
+        """A pointwise op: its region operands, aligned from the right, hold the tokens in the same dims, which
+        they do not broadcast."""
+        out = first_tensor(value_of(node))
+        found: Layout | None = None
+        for operand in (arg for arg in tensor_operands(node.args) if arg in layouts):
+            val = value_of(operand)
+            offset = out.dim() - val.dim()
+            layout = normalized(layouts[operand].shifted(offset), out.shape)
+            dims = range(layouts[operand].first, layouts[operand].end)
+            if not all(same_size(val.shape[d], out.shape[d + offset]) for d in dims):
+                return NotShardable(f"broadcasts the token dims of {operand.name}", node)
+            if found is not None and layout != found:
+                return NotShardable(f"combines values that hold their tokens differently ({found}, {layout})", node)
+            found = layout
+        return found if found is not None else _no_tokens_in(self, node)
+
+    def _item(self, node: fx.Node, layouts: Layouts) -> Layout | NotShardable:
+        """An item of a split holds the tokens as the split's source; any other item (a fused collapse's codes or
+        scales) leads with them."""
+        source = node.args[0]
+        if source.target in SPLITS and source in layouts:
+            return layouts[source]
+        return leading_layout(value_of(node), self.tokens) or _no_tokens_in(self, node)
+
+    def _per_token(self, node: fx.Node, layouts: Layouts) -> Layout | NotShardable:
+        """A fused collapse: ``[tokens, ...]`` rows in, ``[tokens, ...]`` rows out."""
+        for operand in (arg for arg in tensor_operands(node.args) if arg in layouts):
+            if layouts[operand].leading_dims(value_of(operand).shape) is None:
+                return NotShardable(f"reads {operand.name}, which does not lead with the tokens", node)
+        return leading_layout(first_tensor(value_of(node)), self.tokens) or _no_tokens_in(self, node)
+
+    def enters_streams(self, node: fx.Node, operand: fx.Node, layouts: Layouts) -> bool:
         """Whether ``operand`` is a full-size term added into the streams, e.g. an MTP drafter's projected
         next-token embedding: ``streams = norm(state) + e``. Streams that reach an HC block are replicated
         (DESIGN §3) and so is the region's term, hence so is ``e``: its token rows can be sharded."""
-        if node.target not in ENTERS_STREAMS:
+        if node.target not in ENTERS_STREAMS or node not in layouts:
             return False
         val, out = value_of(operand), value_of(node)
         return (
             token_dims(val, self.tokens) is not None
+            and layouts[node].leading_dims(out.shape) is not None
             and val.is_floating_point()
             and val.dim() == out.dim()
             and all(same_size(a, b) for a, b in zip(val.shape, out.shape, strict=True))
         )
 
-    def check_operand(self, node: fx.Node, position: int, operand: fx.Node) -> NotShardable | None:
-        """An operand from outside the region: it must carry no tokens (a weight or constant broadcast over the
-        rows, or the right-hand side of a GEMM)."""
+    def check_operand(self, node: fx.Node, position: int, operand: fx.Node, layout: Layout) -> NotShardable | None:
+        """An operand from outside the region, read by a node that holds its tokens as ``layout``: it must carry
+        no tokens (a weight or constant broadcast over the rows, or the right-hand side of a GEMM)."""
         if operand in self.token_carriers:
             return NotShardable(f"reads {operand.name}, which carries tokens but is not in the region", node)
         if node.target is aten.mm.default and position == 1:
@@ -101,7 +161,7 @@ class RowRules:
         val, out = value_of(operand), first_tensor(value_of(node))
         # Broadcasting aligns dims from the right: the operand's dims under the token dims must be 1.
         offset = out.dim() - val.dim()
-        under_tokens = [val.shape[i - offset] for i in range(self.dims(node) or 0) if i >= offset]
+        under_tokens = [val.shape[i - offset] for i in range(layout.first, layout.end) if i >= offset]
         if offset < 0 or not all(same_size(size, 1) for size in under_tokens):
             return NotShardable(f"operand {operand.name} {tuple(val.shape)} is not broadcast over the tokens", node)
         return None
@@ -115,76 +175,108 @@ def _no_tokens_in(rules: RowRules, node: fx.Node) -> NotShardable:
 
 
 def _source(node: fx.Node) -> fx.Node:
-    """The operand an op's rule reads the token dims of: its input (a ``cat``'s first input)."""
+    """The operand an op's rule reads the layout of: its input (a ``cat``'s first input)."""
     return node.args[0][0] if node.target is aten.cat.default else node.args[0]
 
 
-# Each rule gets the node and ``k``, the token dims of its source (already known to lead with the tokens).
-
-
-def _resize(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
-    """A reshape may merge or split the token dims (token order is row-major either way); an expand must leave
-    them as they are."""
-    if node.target is not aten.expand.default:
-        return None
-    k_out = rules.dims(node)
-    if k_out is None:
-        return _no_tokens_in(rules, node)
-    pairs = zip(value_of(node.args[0]).shape[:k], value_of(node).shape[:k_out], strict=False)
-    if k != k_out or not all(same_size(a, b) for a, b in pairs):
-        return NotShardable("expands a token dim", node)
-    return None
-
-
-def _along_dim(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
+def _dim_arg(node: fx.Node) -> Any:
     position, default = DIM_OPS[node.target]
-    dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
-    ndim = value_of(_source(node)).dim() + (node.target is aten.unsqueeze.default)  # unsqueeze's dim: its output's
-    if not isinstance(dim, int) or dim % max(ndim, 1) < k:
+    return node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
+
+
+# Each rule gets the node, ``layout``, that of its source, and the layouts of the region values so far.
+
+
+def _resize(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
+    """A reshape regroups the dims around the token rows (row-major order keeps each token's values together);
+    an expand adds dims in front or broadcasts size-1 dims, never a token dim."""
+    source, out = value_of(node.args[0]).shape, value_of(node).shape
+    if node.target is not aten.expand.default:
+        return reshaped_layout(layout, source, out, rules.tokens) or NotShardable("splits the token rows", node)
+    offset = len(out) - len(source)
+    if not all(same_size(source[d], out[d + offset]) for d in range(layout.first, layout.end)):
+        return NotShardable("expands a token dim", node)
+    return layout.shifted(offset)
+
+
+def _along_dim(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
+    dim = _dim_arg(node)
+    source = value_of(_source(node))
+    ndim = source.dim() + (node.target is aten.unsqueeze.default)  # unsqueeze's dim: its output's
+    if not isinstance(dim, int):
+        return NotShardable(f"works along dim {dim}, which is not static", node)
+    dim %= max(ndim, 1)
+    if node.target is aten.cat.default:
+        return _cat(node, dim, layout, layouts)
+    if node.target is aten.unsqueeze.default:
+        if layout.first < dim < layout.end:
+            return NotShardable(f"works along dim {dim}, a token dim", node)
+        return layout.shifted(1) if dim <= layout.first else layout
+    if layout.holds(dim):
         return NotShardable(f"works along dim {dim}, a token dim", node)
-    return None
+    removed = node.target is aten.select.int or (node.target is aten.squeeze.dim and same_size(source.shape[dim], 1))
+    return layout.shifted(-1) if removed and dim < layout.first else layout
 
 
-def _permute(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
-    if [d % len(node.args[1]) for d in node.args[1][:k]] != list(range(k)):
-        return NotShardable("moves a token dim", node)
-    return None
+def _cat(node: fx.Node, dim: int, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
+    """A ``cat`` of values holding their tokens alike; along their one token dim (``torch.stack`` of per-stream
+    ``[T, S]`` values, decomposed), the result holds each input's tokens in turn: ``outer`` = the input count."""
+    inputs = node.args[0]
+    if not all(value in layouts and layouts[value] == layout for value in inputs):
+        return NotShardable("concatenates values that do not hold their tokens alike", node)
+    if not layout.holds(dim):
+        return layout
+    if layout.end - layout.first > 1 or layout.outer != 1:
+        return NotShardable(f"works along dim {dim}, one of several token dims", node)
+    return Layout(layout.first, layout.end, len(inputs), layout.inner)
 
 
-def _reduction(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
+def _permute(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
+    perm = [d % len(node.args[1]) for d in node.args[1]]
+    places = [perm.index(d) for d in range(layout.first, layout.end)]
+    if places != list(range(places[0], places[0] + len(places))):
+        return NotShardable("splits or reorders the token dims", node)
+    return Layout(places[0], places[0] + len(places), layout.outer, layout.inner)
+
+
+def _reduction(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
     ndim = value_of(node.args[0]).dim()
-    dims = node.args[1] if len(node.args) > 1 else None
-    if not dims or any(d % ndim < k for d in dims):
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not dims or any(layout.holds(d % ndim) for d in dims):
         return NotShardable("reduces over a token dim", node)
-    return None
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return layout if keepdim else layout.shifted(-sum(d % ndim < layout.first for d in dims))
 
 
-def _mm(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
+def _mm(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
     # Row i of x @ W is a function of row i of x alone, whatever W is (an HC weight, or a TP shard of a
     # projection that reads the streams); check_operand makes sure W carries no tokens.
-    return None if k == 1 else NotShardable("a GEMM whose left operand does not lead with the tokens", node)
+    if layout.first != 0:
+        return NotShardable("a GEMM whose left operand does not lead with the tokens", node)
+    return layout
 
 
-def _bmm(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
-    # Batched over tokens (mHC's per-token comb @ streams); the operands are checked like any other.
-    k_out = rules.dims(node)
-    if k_out is None:
-        return _no_tokens_in(rules, node)
-    return None if k_out == 1 else NotShardable("a batched GEMM whose batch dim is not the tokens", node)
+def _bmm(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
+    # Batched over tokens (mHC's per-token comb @ streams, an einsum's [T*S, 1, n] x [T*S, n, 1]); a right operand
+    # from the region must hold its tokens alike, one from outside is checked like any other.
+    other = node.args[1]
+    if layout.first != 0 or (other in layouts and layouts[other] != layout):
+        return NotShardable("a batched GEMM whose batch dim is not the tokens of both operands", node)
+    return layout
 
 
-def _pad(rules: RowRules, node: fx.Node, k: int) -> NotShardable | None:
+def _pad(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
     """A constant pad of the dims under the tokens keeps each row's values in its row: Inductor's ``pad_mm``
     (CUDA only) writes one on each operand of a GEMM whose K or N is not a multiple of 8 (bf16) / 4 (fp32)."""
     pads = node.args[1]  # (before, after) pairs from the last dim backwards
     ndim = value_of(node.args[0]).dim()
     padded = [ndim - 1 - i // 2 for i, size in enumerate(pads) if not (isinstance(size, int) and size == 0)]
-    if any(dim < k for dim in padded):
+    if any(layout.holds(dim) for dim in padded):
         return NotShardable("pads a token dim", node)
-    return None
+    return layout
 
 
-OP_RULES: dict[Any, Callable[[RowRules, fx.Node, int], NotShardable | None]] = {
+OP_RULES: dict[Any, Callable[[RowRules, fx.Node, Layout, Layouts], Layout | NotShardable]] = {
     **dict.fromkeys(SIZE_OPS, _resize),
     **dict.fromkeys(DIM_OPS, _along_dim),
     aten.permute.default: _permute,

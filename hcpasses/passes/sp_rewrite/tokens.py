@@ -1,8 +1,11 @@
-"""Tokens in values: which leading dims of a value hold the N token rows, and the stream value of an HC block.
+"""Tokens in values: which dims of a value hold the N token rows (its ``Layout``), and the stream value of an HC block.
 
-Tokens are the leading dims of a value: ``[T, ...]`` (vLLM style) or ``[batch, seq, ...]`` (transformers); token i
-is row i of the value flattened over them. Each value's token dims are the shortest leading dims whose sizes
-multiply to N. Sizes may be ints or SymInts; comparisons never add guards (``statically_known_true``).
+Values that enter or leave a region lead with their tokens: ``[T, ...]`` (vLLM style) or ``[batch, seq, ...]``
+(transformers); token i is row i of the value flattened over them, and the token dims are the shortest leading dims
+whose sizes multiply to N (``leading_layout``). Inside a region a value may hold them elsewhere, as a collapse
+written with einsum or stack does (``Layout``): the layout follows each op from its operands' (``rules``), never
+from the shape alone, which cannot tell ``[n*T, S]`` (stacked streams) from ``[T*n, S]`` (tokens merged with
+streams). Sizes may be ints or SymInts; comparisons never add guards (``statically_known_true``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -39,6 +43,103 @@ def same_size(a: Any, b: Any) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     return statically_known_true(a == b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a value holds its N tokens: dims ``[first, end)`` flattened row-major are ``(outer, N, inner)``.
+
+    ``[T, S]``: ``Layout(0, 1)``; ``[batch, seq, S]``: ``Layout(0, 2)``; ``[n, T, S]`` (streams stacked in
+    front): ``Layout(1, 2)``; ``[n*T, S]`` (a ``cat`` of per-stream ``[T, S]`` values): ``Layout(0, 1, outer=n)``;
+    ``[T*S, 1, n]`` (a per-token bmm's batch, an einsum): ``Layout(0, 1, inner=S)``. ``outer`` and ``inner`` are
+    static. A shard holds the same with R tokens: its dims ``[first, end)`` are ``[1, ..., 1, outer*R*inner]``
+    (``sharded_sizes``), every other dim unchanged.
+    """
+
+    first: int
+    end: int
+    outer: int = 1
+    inner: int = 1
+
+    def leading_dims(self, shape: Sequence[Any]) -> int | None:
+        """How many leading dims hold exactly the tokens (``[1, ..., tokens..., rest]``), or None: the layout the
+        values a region shards, reduce-scatters or gathers must have."""
+        plain = self.outer == self.inner == 1 and all(same_size(size, 1) for size in shape[: self.first])
+        return self.end if plain else None
+
+    def shifted(self, by: int) -> Layout:
+        return dataclasses.replace(self, first=self.first + by, end=self.end + by)
+
+    def holds(self, dim: int) -> bool:
+        return self.first <= dim < self.end
+
+    def matches(self, shape: Sequence[Any], tokens: Any) -> bool:
+        """Whether a value of ``shape`` can hold its tokens so: its dims ``[first, end)`` multiply to outer*N*inner."""
+        return 0 <= self.first < self.end <= len(shape) and same_size(
+            math.prod(shape[self.first : self.end]), self.outer * tokens * self.inner
+        )
+
+    def sharded_sizes(self, sizes: Sequence[Any], rows: Any) -> list[Any]:
+        """``sizes`` (a shape, or an op's size argument) with its token dims as a shard's: ``[1, ..., 1, O*R*I]``."""
+        group = [*([1] * (self.end - self.first - 1)), _scaled(rows, self.outer * self.inner)]
+        return [*sizes[: self.first], *group, *sizes[self.end :]]
+
+
+def _scaled(rows: Any, factor: int) -> Any:
+    return rows if factor == 1 else rows * factor
+
+
+def leading_layout(val: Any, tokens: Any) -> Layout | None:
+    """The layout of a value that leads with its ``tokens`` rows (``token_dims``), or None."""
+    k = token_dims(val, tokens)
+    return None if k is None else normalized(Layout(0, k), val.shape)
+
+
+def normalized(layout: Layout, shape: Sequence[Any]) -> Layout:
+    """The same layout without size-1 dims at either end of its token dims (``[1, T, S]`` holds them in dim 1
+    alone), so that two values holding their tokens alike have equal layouts."""
+    first, end = layout.first, layout.end
+    while end - first > 1 and same_size(shape[first], 1):
+        first += 1
+    while end - first > 1 and same_size(shape[end - 1], 1):
+        end -= 1
+    return dataclasses.replace(layout, first=first, end=end)
+
+
+def reshaped_layout(layout: Layout, source: Sequence[Any], out: Sequence[Any], tokens: Any) -> Layout | None:
+    """The layout after reshaping a ``source``-shaped value of ``layout`` to ``out``, or None where the reshape
+    splits the token rows.
+
+    Row-major, the source is ``(A*outer, N, inner*B)`` (A: its dims before the tokens, B: those after). The
+    output's dims before its tokens are its shortest prefix whose product is A*outer (else the longest whose
+    product divides it: the rest of it is the new outer factor); its token dims end at the shortest prefix whose
+    product is a multiple of A*outer*N (the excess is the new inner factor). Both factors must be static.
+    """
+    before = math.prod(source[: layout.first]) * layout.outer
+    if not isinstance(before, int):
+        return None
+    prefixes = [math.prod(out[:i]) for i in range(len(out) + 1)]
+    exact = [i for i, size in enumerate(prefixes) if same_size(size, before)]
+    dividing = [i for i, size in enumerate(prefixes) if isinstance(size, int) and before % size == 0]
+    first = exact[0] if exact else max(dividing)
+    outer = before // prefixes[first]
+    for end in range(first + 1, len(out) + 1):
+        inner = _static_quotient(prefixes[end], before * tokens)
+        if inner is not None:
+            return normalized(Layout(first, end, outer, inner), out)
+    return None
+
+
+def _static_quotient(size: Any, divisor: Any) -> int | None:
+    """``size / divisor`` when it is provably a static int, else None."""
+    if isinstance(size, int) and isinstance(divisor, int):
+        return size // divisor if size % divisor == 0 else None
+    quotient = _expr(size) / _expr(divisor)  # sympy cancels common factors: (32*s0) / s0 is 32
+    return int(quotient) if quotient.is_Integer and quotient > 0 else None
+
+
+def _expr(size: Any) -> Any:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
 def first_tensor(val: Any) -> Any:
