@@ -105,6 +105,51 @@ def test_every_gated_mean_spelling_shards_every_block(collapse: str, dtype: torc
     assert_every_block_sharded(sharded, 2, expected, dtype)
 
 
+def with_tokens(graph: torch.fx.GraphModule, inputs: list, ids: torch.Tensor) -> list:
+    """A dynamic capture's inputs for other ids: the symbolic T and the ids replaced."""
+    placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+    values = []
+    for node, value in zip(placeholders, inputs, strict=True):
+        if isinstance(node.meta["val"], torch.SymInt):
+            value = ids.shape[0]
+        elif isinstance(value, torch.Tensor) and not value.is_floating_point():
+            value = ids
+        values.append(value)
+    return values
+
+
+@pytest.mark.parametrize("collapse", ["einsum", "stack_mean"])
+def test_inner_layouts_shard_with_a_symbolic_token_count(collapse: str) -> None:
+    """The einsum's [T*S, 1, n] and the stack's [n*T, S] / [n, T, S] with a symbolic T: the shard's sizes are
+    spelled from the symbolic R (R*S, n*R), so one graph runs every T, ragged and even, and matches SP off and
+    eager there."""
+    ids = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(9))
+    sharded = capture_with_passes(
+        lambda rank, tp: GatedMeanHC(collapse, None, 1, torch.float32, tp, rank),
+        lambda rank, tp: (ids,),
+        2,
+        HCPassesConfig(sp_min_tokens=1),
+        dynamic=True,
+        one_trace=True,
+    )
+    sp = sharded.report.record("sp_rewrite")
+    assert sp.status == "applied" and sp.applied == 3 and isinstance(sp.sharded.tokens, str), sp.notes
+    assert collective_counts(sharded.graphs[0]) == {"all_reduce": 0, "reduce_scatter": 2, "all_gather": 3}
+    unsharded = sharded.sp_off()
+    for tokens in (9, 4, 13):
+        ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            expected = GatedMeanHC(collapse, None, 1, torch.float32)(ids)
+        ranks = range(2)
+        outputs = simulate(sharded.graphs, [with_tokens(sharded.graphs[r], sharded.inputs[r], ids) for r in ranks])
+        reference = simulate(
+            unsharded.graphs, [with_tokens(unsharded.graphs[r], unsharded.inputs[r], ids) for r in ranks]
+        )
+        for got, want in zip(outputs, reference, strict=True):
+            assert_same_as_sp_off(got, want, eager=[expected])
+            torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(("collapse", "dtype"), collapse_cases(list(WEIGHTED_SUMS)))
 def test_every_weighted_sum_spelling_shards_every_block(collapse: str, dtype: torch.dtype) -> None:
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(10))  # tokens [batch, seq]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from corpus.collapses import GatedMeanHC
 from harness import capture_post_grad, fake_process_group
 from harness.reference import collective_counts
 
@@ -14,6 +15,7 @@ from hcpasses.passes.sp_rewrite.emit import rewrite_region
 from hcpasses.passes.sp_rewrite.graph import ancestors
 from hcpasses.passes.sp_rewrite.region import find_regions
 from hcpasses.passes.sp_rewrite.tokens import stream_value
+from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.collapse import CollapseFinder
 from hcpasses.testing.models import HCConfig, HCDecoder
 from hcpasses.verify import refresh_fake_values, verify_graph
@@ -85,3 +87,20 @@ def test_analysis_without_a_region_names_the_node_that_stops_it() -> None:
         why = "no all-reduce feeds an HC block after this point"
         assert str(first) == f"{first.node.name} ({first.node.target}): {why}"
         assert graph.python_code("self").src == before
+
+
+def test_final_norm_reading_the_last_write_back_alone_finds_it_as_the_stream_value() -> None:
+    """The final mixer's grouped norm is the only reader of the last write-back ``h + y`` (no view between them,
+    as ``tests/corpus`` writes it): walking back from the norm passes that add and meets h and the sub-layer's
+    pieces; the stream value is the add, where they join. With it a region can start at the final mixer."""
+    ids = torch.randint(0, 64, (TOKENS,), generator=torch.Generator().manual_seed(1))
+    with fake_process_group(0, 2):
+        model = GatedMeanHC("einsum", None, 1, torch.float32, 2, 0)
+        [captured] = capture_post_grad(model, (ids,), tp=2, rank=0, codegen=False)
+        *blocks, final = CollapseFinder().find(captured.gm.graph)
+        [last_reduce, *_] = reversed(find_all_reduces(captured.gm.graph))
+        write_back = stream_value(final)
+        assert write_back.target is torch.ops.aten.add.Tensor, write_back
+        assert last_reduce.wait in ancestors([write_back])
+        assert all(user in ancestors([final.root]) for user in write_back.users)  # the norm reads it alone
+        assert all(not isinstance(stream_value(block), NotShardable) for block in blocks)

@@ -21,15 +21,19 @@ How the region is found:
   all-reduces that feed later HC blocks, without passing through a collapse (the sub-layer starts
   there) or an all-reduce, and that leads to a later collapse. Values the region computes but others
   use (the sub-layer input, the final mixer output, a returned HC state) are gathered.
-- Tokens are the leading dims of a value: ``[T, ...]`` (vLLM style) or ``[batch, seq, ...]``
-  (transformers); token i is row i of the value flattened over them. N = batch*seq is what is sharded;
-  a shard keeps the rank, its token dims become ``[1, ..., 1, R]``, so the model's dim-addressed ops
-  still apply. Each value's token dims are the shortest leading dims whose sizes multiply to N.
-- Every region node must be row-local (pointwise, reductions over non-token dims, views and permutes
-  that keep the token dims in front, ``mm`` with a weight, ``bmm`` batched over tokens, the fused
-  collapse ops), and every operand from outside
-  the region must carry no tokens: a weight or constant broadcast over rows, or the right-hand side of
-  a GEMM. An ``mm`` is row-local whatever its weight (an HC weight, replicated by construction, or a TP
+- Tokens are the leading dims of the values a region shards, reduce-scatters and gathers: ``[T, ...]``
+  (vLLM style) or ``[batch, seq, ...]`` (transformers); token i is row i of the value flattened over
+  them. N = batch*seq is what is sharded; a shard keeps the rank, its token dims become ``[1, ..., 1,
+  R]``, so the model's dim-addressed ops still apply. Inside a region a value may hold its tokens
+  elsewhere (``tokens.Layout``): behind a stream axis (``torch.stack`` of per-stream values: ``[n*T, S]``,
+  ``[n, T, S]``) or merged with a hidden dim (an einsum's per-token bmm: ``[T*S, 1, n]``). Each node's
+  layout follows from its operands' by what the op does, never from its shape alone; a reshape's size
+  argument is rewritten to the shard's (``[n, R, S]``, ``[R*S, 1, n]``).
+- Every region node must be row-local (pointwise, reductions and dim ops away from the token dims,
+  views, permutes that keep the token dims together and in order, a ``cat`` of per-stream values,
+  ``mm`` with a weight, ``bmm`` batched over tokens, the fused collapse ops), and every operand from
+  outside the region must carry no tokens: a weight or constant broadcast over rows, or the right-hand
+  side of a GEMM. An ``mm`` is row-local whatever its weight (an HC weight, replicated by construction, or a TP
   shard of a projection reading the streams): row i of ``x @ W`` reads row i of x only.
 - A full-size term added into the streams from outside (an MTP drafter's projected next-token embedding,
   ``streams = norm(state) + e``) is sharded where it joins: streams are replicated, so is the term. So a

@@ -184,7 +184,9 @@ def stream_value(collapse: FoundCollapse) -> fx.Node | NotShardable:
 
     For a gated mean the streams argument is the norm's output xn; walking back from it, every node
     used only inside the norm belongs to the norm, and the first node with a use outside it (the
-    combine, the next layer) is the stream value.
+    combine, the next layer) is the stream value. Where the norm is its stream value's only reader (the final
+    mixer's norm reads the last write-back ``h + y``, used nowhere else), the walk passes it and finds several
+    such nodes (h, and what y is made of): the stream value is then where every path from them to xn joins.
     """
     if not collapse.normed:
         return _through_views(collapse.streams, collapse_tokens(collapse))
@@ -200,10 +202,45 @@ def stream_value(collapse: FoundCollapse) -> fx.Node | NotShardable:
             stack.extend(node.all_input_nodes)
         else:
             frontier.append(node)
-    if len(frontier) != 1:
+    if len(frontier) == 1:
+        return frontier[0]
+    join = _join(collapse.streams, inside, frontier)
+    if join is None:
         names = [n.name for n in frontier]
         return NotShardable(f"the grouped norm does not read one stream value (found {names})", collapse.streams)
-    return frontier[0]
+    return join
+
+
+def _join(xn: fx.Node, inside: set[fx.Node], frontier: list[fx.Node]) -> fx.Node | None:
+    """The first node (in graph order) of ``inside`` that is as large as ``xn`` and on every path from the
+    ``frontier`` to ``xn``, or None (``xn`` itself does not count)."""
+    size = value_of(xn).numel()
+    order = {node: i for i, node in enumerate(xn.graph.nodes)}
+    candidates = [
+        node
+        for node in inside
+        if node is not xn and same_size(_numel(node), size) and _on_every_path(node, frontier, inside, xn)
+    ]
+    return min(candidates, key=order.__getitem__, default=None)
+
+
+def _numel(node: fx.Node) -> Any:
+    val = value_of(node)
+    return val.numel() if isinstance(val, torch.Tensor) else None
+
+
+def _on_every_path(node: fx.Node, frontier: list[fx.Node], inside: set[fx.Node], xn: fx.Node) -> bool:
+    """Whether every path from ``frontier`` through ``inside`` to ``xn`` passes ``node``."""
+    seen = {node}
+    stack = [user for source in frontier for user in source.users if user in inside]
+    while stack:
+        current = stack.pop()
+        if current is xn:
+            return False
+        if current not in seen:
+            seen.add(current)
+            stack.extend(user for user in current.users if user in inside)
+    return True
 
 
 VALUE_VIEWS = {

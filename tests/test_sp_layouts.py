@@ -1,0 +1,84 @@
+"""Where a value holds its token rows (``sp_rewrite.tokens.Layout``) and how a reshape regroups them: the
+promises of ``Layout``, ``normalized`` and ``reshaped_layout``, with static and symbolic token counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from hcpasses.passes.sp_rewrite.tokens import Layout, normalized, reshaped_layout
+
+T = 9
+
+
+def symbolic_tokens() -> torch.SymInt:
+    return ShapeEnv().create_unbacked_symint()  # a size symbol with no value: only algebra can decide
+
+
+@pytest.mark.parametrize(
+    ("layout", "source", "out", "want"),
+    [
+        # tokens merged with the hidden dim: an einsum's per-token products as bmm operands
+        (Layout(0, 1), [T, 32, 4], [T * 32, 1, 4], Layout(0, 1, inner=32)),
+        # and back
+        (Layout(0, 1, inner=32), [T * 32, 1, 4], [T, 32, 1], Layout(0, 1)),
+        # stacked streams: n per-stream [T, S] values concatenated, then viewed [n, T, S]
+        (Layout(0, 1, outer=4), [4 * T, 32], [4, T, 32], Layout(1, 2)),
+        # the stream axis split over two dims in front, part of it left in the token dim
+        (Layout(0, 1, outer=4), [4 * T, 32], [2, 2 * T, 32], Layout(1, 2, outer=2)),
+        # [batch, seq] tokens flattened and split again
+        (Layout(0, 2), [3, 3, 8], [T, 8], Layout(0, 1)),
+        (Layout(0, 1), [T, 8], [3, 3, 2, 4], Layout(0, 2)),
+        # size-1 dims at the ends of the token dims are not token dims
+        (Layout(0, 1), [T, 8], [1, T, 8], Layout(1, 2)),
+    ],
+)
+def test_reshape_regroups_the_token_rows(layout: Layout, source: list, out: list, want: Layout) -> None:
+    assert reshaped_layout(layout, source, out, T) == want
+    assert want.matches(out, T)
+
+
+@pytest.mark.parametrize(
+    ("layout", "source", "out"),
+    [
+        (Layout(0, 1), [T, 32], [3, 96]),  # three tokens per row: rows mix tokens
+        (Layout(0, 1, outer=4), [4 * T, 32], [T, 4, 32]),  # the stream axis moved under the tokens by a view
+    ],
+)
+def test_reshape_that_mixes_tokens_has_no_layout(layout: Layout, source: list, out: list) -> None:
+    got = reshaped_layout(layout, source, out, T)
+    # [T, 4, 32] from stream-major rows: row-major it is still (4, T, 32) grouped, never T leading
+    assert got is None or got.outer * got.inner > 1, got
+
+
+def test_symbolic_token_count_keeps_static_factors() -> None:
+    tokens = symbolic_tokens()
+    merged = reshaped_layout(Layout(0, 1), [tokens, 32, 4], [tokens * 32, 1, 4], tokens)
+    assert merged == Layout(0, 1, inner=32)
+    stacked = reshaped_layout(Layout(0, 1, outer=4), [4 * tokens, 32], [4, tokens, 32], tokens)
+    assert stacked == Layout(1, 2)
+    # a factor that is not static (the token count itself) is not a layout
+    assert reshaped_layout(Layout(0, 1), [tokens, tokens], [tokens * tokens], tokens) is None
+
+
+def test_normalized_drops_size_one_dims_at_the_ends_only() -> None:
+    assert normalized(Layout(0, 3), [1, T, 1, 8]) == Layout(1, 2)
+    assert normalized(Layout(0, 3), [3, 1, 3, 8]) == Layout(0, 3)  # a 1 between token dims stays
+    assert normalized(Layout(0, 1), [1, 8]) == Layout(0, 1)  # one token: the dim stays
+
+
+def test_leading_dims_only_for_plain_leading_tokens() -> None:
+    assert Layout(1, 2).leading_dims([1, T, 8]) == 2
+    assert Layout(1, 2).leading_dims([4, T, 8]) is None  # streams in front
+    assert Layout(0, 1, inner=32).leading_dims([T * 32, 4]) is None
+    assert Layout(0, 1, outer=4).leading_dims([4 * T, 4]) is None
+    assert Layout(0, 2).leading_dims([3, 3, 8]) == 2
+
+
+def test_sharded_sizes_give_each_rank_its_rows_with_the_same_factors() -> None:
+    rows = 5  # ceil(9 / 2)
+    assert Layout(0, 1, inner=32).sharded_sizes([T * 32, 1, 4], rows) == [rows * 32, 1, 4]
+    assert Layout(1, 2).sharded_sizes([4, T, 32], rows) == [4, rows, 32]
+    assert Layout(0, 2).sharded_sizes([3, 3, -1], rows) == [1, rows, -1]
+    assert Layout(0, 1, outer=2, inner=3).sharded_sizes([6 * T, 8], rows) == [6 * rows, 8]
