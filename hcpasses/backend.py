@@ -70,6 +70,28 @@ def symbol_position(gm: fx.GraphModule, symbol: str) -> tuple[int, int | None] |
     return None
 
 
+def fixed_token_count(gm: fx.GraphModule, expression: str) -> int | None:
+    """The token count ``expression`` once a compile has fixed its symbols, or None while one is free.
+
+    The SP pass sees T symbolic, but Inductor may specialise it while compiling the sharded graph (T = 2 at tp 2,
+    one row per rank: the sharded graph's ``Ne((s0 + 1)//2, 1)`` fails, the recompile adds ``Eq(s0, 2)``); the
+    graph's inputs then print the value, not the symbol. Read from the ShapeEnv's ``replacements`` (a torch
+    internal, the same in 2.11 and 2.13; pinned by tests/unit/test_unit_backend.py and
+    tests/test_simulated_tp.py).
+    """
+    values = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+    sizes = [v for v in values if isinstance(v, torch.SymInt)]
+    sizes += [size for v in values if isinstance(v, torch.Tensor) for size in v.shape if isinstance(size, torch.SymInt)]
+    if not sizes:
+        return None
+    replacements = {str(symbol): value for symbol, value in sizes[0].node.shape_env.replacements.items()}
+    parsed = sympy.sympify(expression)
+    value = parsed.subs(
+        {symbol: replacements[str(symbol)] for symbol in parsed.free_symbols if str(symbol) in replacements}
+    )
+    return int(value) if value.is_Integer else None
+
+
 def is_autograd_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     """Whether AOTAutograd will build a forward + backward for this graph: grad mode is on and a graph
     input (Dynamo lifts parameters to inputs) or a parameter still held by the module requires grad."""
@@ -185,14 +207,28 @@ class HCPassesBackend:
         same graph compiled with ``sharding_pass`` off."""
         tokens = TokenCount.find(gm, str(decision.tokens))
         if tokens is None:
-            log.warning(
-                "hcpasses: cannot find the token count %s among the graph inputs; always sharded", decision.tokens
+            fixed = fixed_token_count(gm, str(decision.tokens))
+            if fixed is None:
+                log.warning(
+                    "hcpasses: cannot find the token count %s among the graph inputs; always sharded", decision.tokens
+                )
+                return sharded
+            if fixed >= decision.min_tokens:
+                return sharded
+            # The sharded compile fixed T below the threshold: this graph (Dynamo guards it to that T) runs unsharded.
+            log.info(
+                "hcpasses: compiling the sharded graph fixed the token count %s to %d < sp_min_tokens=%d: the graph "
+                "runs unsharded",
+                decision.tokens,
+                fixed,
+                decision.min_tokens,
             )
-            return sharded
         for report in reports:
             report.variant = "sharded"
         manager = self.unsharded_manager(sharding_pass)
         unsharded, _ = self._compile(gm, example_inputs, manager, "unsharded", cudagraphs=self.config.cudagraphs)
+        if tokens is None:
+            return unsharded
         dispatch = TokenDispatch(sharded, unsharded, tokens, decision.min_tokens)
         self.dispatchers.append(dispatch)
         return dispatch

@@ -3,6 +3,7 @@ eagerly and inside Inductor's generated code, hcpasses sees the group, and the c
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -137,6 +138,32 @@ def test_hcpasses_sees_a_group_of_size_n_and_rank_r() -> None:
     mine = reference[rank * rows : (rank + 1) * rows]
     for block in sharded.split(rows):
         torch.testing.assert_close(block, mine, rtol=1e-4, atol=1e-5)
+
+
+def test_a_token_count_the_sharded_compile_fixes_below_the_threshold_runs_unsharded(caplog) -> None:
+    """Dynamic T at tp 2: the sharded graph's guards exclude one row per rank, so T = 2 recompiles, and compiling
+    that graph's sharded variant fixes T to 2 (``Eq(s0, 2)``) after the SP pass saw it symbolic. The graph must run
+    unsharded (2 < sp_min_tokens): its all-reduce runs, no reduce-scatter, eager's values, and no warning (it used
+    to log "cannot find the token count" and run sharded)."""
+    torch._dynamo.reset()
+    model = UserHC(layers=1, tp=2, rank=0)
+    be = hcpasses.backend(sp_min_tokens=16)
+    compiled = torch.compile(model, backend=be, dynamic=True)
+    with simulated_tp(2, 0) as ledger, torch.no_grad(), caplog.at_level(logging.INFO, logger="hcpasses"):
+        for tokens in (32, 2):
+            ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
+            ledger.clear()
+            got = compiled(ids)
+        counts = ledger.counts()
+        torch.testing.assert_close(got, model(ids), rtol=1e-5, atol=1e-5)
+    assert counts == {"all_reduce": 2}, counts
+    assert [r.variant for r in be.reports[-2:]] == ["sharded", "unsharded"]
+    assert be.reports[-2].record("sp_rewrite").applied == 3 and be.dispatchers[-1].calls == {
+        "sharded": 1,
+        "unsharded": 0,
+    }
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("fixed the token count" in r.getMessage() for r in caplog.records)
 
 
 def test_tp1_sets_up_nothing_and_ranks_are_checked() -> None:

@@ -24,6 +24,7 @@ from hcpasses.backend import (
     TokenDispatch,
     compile_with_defaults,
     default_backend,
+    fixed_token_count,
     is_autograd_compile,
     symbol_position,
 )
@@ -122,10 +123,14 @@ class Compiles:
         self.seen: list[tuple[fx.GraphModule, list[Any]]] = []
         self.cache_hit = False
         self.graphs_per_compile = 1
+        self.fix_tokens = False  # the first compile fixes T (dim 0 of the first input), as Inductor may
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], config_patches: dict[str, Any]) -> Any:
         self.patches.append(config_patches)
         self.seen.append((gm, example_inputs))
+        if self.fix_tokens and len(self.patches) == 1:
+            first = next(node for node in gm.graph.nodes if node.op == "placeholder")
+            int(first.meta["example_value"].shape[0])  # guard_int: the ShapeEnv replaces the symbol by its value
         for _ in range(0 if self.cache_hit else self.graphs_per_compile):
             config_patches["post_grad_custom_pre_pass"](traced(lambda x, w: torch.relu(x @ w)).graph)
         number = len(self.patches)
@@ -238,6 +243,32 @@ def test_a_token_count_not_among_the_inputs_stays_sharded_and_warns(compiles: Co
     assert len(compiles.patches) == 1 and not isinstance(compiled, TokenDispatch)
     warning = "hcpasses: cannot find the token count s999 among the graph inputs; always sharded"
     assert warning in [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize(("min_tokens", "compiled_variants"), [(7, ["sharded", "unsharded"]), (6, ["only"])])
+def test_a_token_count_the_compile_fixed_picks_the_variant(
+    compiles: Compiles, caplog, min_tokens: int, compiled_variants: list[str]
+) -> None:
+    """T symbolic when the pass ran, fixed (6) by the sharded compile: below the threshold the graph is compiled
+    again unsharded and that compile is what runs; from the threshold up the sharded one; no dispatch, no warning."""
+    gm, inputs = graph_and_inputs(rows=6)
+    symbol = size_symbols(gm)[0]
+    compiles.fix_tokens = True
+    be = make_backend(symbol, sp_min_tokens=min_tokens)
+    with caplog.at_level(logging.INFO, logger="hcpasses"):
+        compiled = be(gm, inputs)
+    assert fixed_token_count(gm, symbol) == 6 and TokenCount.find(gm, symbol) is None
+    assert not isinstance(compiled, TokenDispatch) and be.dispatchers == []
+    assert [r.variant for r in be.reports] == compiled_variants
+    assert compiled()[0] == len(compiled_variants) == len(compiles.patches)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_fixed_token_count_is_none_while_a_symbol_is_free() -> None:
+    gm, _ = graph_and_inputs(rows=6)
+    t, w, _, _ = size_symbols(gm)
+    assert fixed_token_count(gm, t) is None and fixed_token_count(gm, f"{t}*{w}") is None
+    assert fixed_token_count(traced(lambda x: x + 1, (2, 3)), "s0") is None  # no symbolic input at all
 
 
 def test_dumps_turn_off_every_cache(compiles: Compiles, tmp_path: Path) -> None:
