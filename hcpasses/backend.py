@@ -14,6 +14,11 @@ CUDA graphs: a graph no pass sharded is compiled again with them, under the same
 ``torch.compile(model, backend="hcpasses")`` finds ``compile_with_defaults`` through the
 ``torch_dynamo_backends`` entry point; its reports are on ``hcpasses.default_backend().reports``.
 
+Overlap (``overlap=True``, the default): where a group of this process is NCCL on CUDA with more than one rank,
+each compile with the SP pass on enables symmetric memory for such groups and turns on Inductor's micro-pipeline TP
+pass, which fuses the all-gathers and reduce-scatters SP shaped for it with their GEMMs
+(``hcpasses.passes.sp_rewrite.overlap``). Elsewhere (CPU, gloo, one GPU) Inductor's pass stays off.
+
 Grad mode: a graph compiled with grad enabled and parameters or inputs that require grad is an autograd
 graph; its pipeline runs no pass and reports why (``hcpasses.manager.AUTOGRAD_REASON``).
 
@@ -44,9 +49,11 @@ import hcpasses.passes as registry
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, ShardedTokens
 from hcpasses.manager import PassManager
+from hcpasses.passes.sp_rewrite.overlap import symmetric_memory_groups
 from hcpasses.report import GraphReport
 
 log = logging.getLogger("hcpasses")
+MICRO_PIPELINE_TP = "_micro_pipeline_tp"  # torch._inductor.config: its micro-pipeline (async) TP pass
 
 
 def _input_signature(value: Any) -> str:
@@ -179,6 +186,11 @@ class HCPassesBackend:
         patches: dict[str, Any] = {"post_grad_custom_pre_pass": manager, "triton.cudagraphs": cudagraphs}
         if self.config.dump_dir:
             patches["force_disable_caches"] = True  # a cache hit runs no pass and so writes no dump
+        shaping = any(manager.config.pass_enabled(spec.name) for spec in registry.PASSES if "overlap" in spec.reads)
+        if self.config.overlap and shaping and symmetric_memory_groups():
+            # Inductor's async-TP pass (private config) fuses what the SP rewrite shaped (sp_rewrite.overlap):
+            # on for this compile only; off where no group can fuse (CPU, gloo, one GPU), where it only warns.
+            patches[MICRO_PIPELINE_TP] = True
         return patches
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

@@ -111,10 +111,11 @@ def test_the_flags_table_has_a_row_per_flag_with_its_default() -> None:
     assert [row[0] for row in rows] == [f"`{name}`" for name in HCPassesConfig.flag_names()]
     defaults = HCPassesConfig()
     assert [row[1] for row in rows] == [
-        f"`{value!r}`" for value in (*dict(defaults.pass_flags).values(), 1024, None, False)
+        f"`{value!r}`" for value in (*dict(defaults.pass_flags).values(), 1024, None, False, True)
     ]
     assert rows[5][3].endswith("; `HCPASSES_DUMP_DIR` overrides it")
-    assert rows[2][3] == "pass 3: shard the HC residual streams by tokens across the TP ranks; reads `sp_min_tokens`"
+    want = "pass 3: shard the HC residual streams by tokens across the TP ranks; reads `sp_min_tokens`, `overlap`"
+    assert rows[2][3] == want
     markdown = flags_markdown().splitlines()
     assert markdown[:2] == ["| flag | default | values | what it does |", "|---|---|---|---|"]
     assert len(markdown) == 2 + len(rows)
@@ -127,9 +128,10 @@ def test_the_cli_prints_the_pipeline_and_the_flags_and_has_no_demo(capsys) -> No
     assert [line.split()[:4] for line in out[1:]] == [
         ["1", "canonical_forms", "on", "-"],
         ["2", "gated_mean_quant", "on", "-"],
-        ["3", "sp_rewrite", "on", "sp_min_tokens"],
+        ["3", "sp_rewrite", "on", "sp_min_tokens,"],
         ["4", "cleanup", "on", "-"],
     ]
+    assert out[3].split()[4] == "overlap"
     assert main(["flags"]) == 0
     out = capsys.readouterr().out
     assert "`" not in out and out.splitlines()[5].split()[:3] == ["sp_min_tokens", "1024", "an"]

@@ -50,7 +50,12 @@ PASSES: tuple[PassSpec, ...] = (
         "SP match (exact rewrites only)",
     ),
     PassSpec(GatedMeanQuantFusion, True, "fuse the HC gated mean with the per-token FP8 quant that follows it"),
-    PassSpec(SPRewrite, True, "shard the HC residual streams by tokens across the TP ranks", reads=("sp_min_tokens",)),
+    PassSpec(
+        SPRewrite,
+        True,
+        "shard the HC residual streams by tokens across the TP ranks",
+        reads=("sp_min_tokens", "overlap"),
+    ),
     PassSpec(DeadCodeCleanup, True, "erase the pure ops whose results nothing uses"),
 )
 

@@ -73,8 +73,9 @@ import torch.fx as fx
 
 from hcpasses.graph_pass import GraphPass, PassResult, ShardedTokens
 from hcpasses.passes.sp_rewrite.collectives import AllReduceMatch, find_all_reduces
-from hcpasses.passes.sp_rewrite.emit import rewrite_region
-from hcpasses.passes.sp_rewrite.region import Plan, find_regions
+from hcpasses.passes.sp_rewrite.emit import Emitted, rewrite_region
+from hcpasses.passes.sp_rewrite.overlap import overlap_blocker
+from hcpasses.passes.sp_rewrite.region import Plan, Region, find_regions
 from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.collapse import CollapseFinder
 
@@ -116,15 +117,20 @@ class SPRewrite(GraphPass):
             return PassResult(0, "no shardable region: " + "; ".join(map(str, plan.cuts)), tuple(notes))
         if isinstance(plan.tokens, int) and plan.tokens < config.sp_min_tokens:
             return PassResult(0, f"T={plan.tokens} < sp_min_tokens={config.sp_min_tokens}", tuple(notes))
+        overlap_notes, shaped = [], [0, 0]
         for region in plan.regions:  # in graph order; the regions share no node
-            rewrite_region(graph, region)
+            blocker = overlap_blocker(region.group.name) if config.overlap else "flag overlap=False"
+            emitted = rewrite_region(graph, region, overlap=blocker is None)
+            shaped = [shaped[0] + emitted.gemms_after_gathers, shaped[1] + emitted.gemms_before_scatters]
+            overlap_notes.append(_overlap_note(region, blocker, emitted))
         tokens = plan.tokens if isinstance(plan.tokens, int) else str(plan.tokens)
         sharded = sum(len(region.collapses) for region in plan.regions)
+        facts = _plan_facts(plan) | {"gemms_after_gathers": shaped[0], "gemms_before_scatters": shaped[1]}
         return PassResult(
             sharded,
             None,
-            (*notes, *_plan_notes(plan, len(collapses))),
-            _plan_facts(plan),
+            (*notes, *_plan_notes(plan, len(collapses)), *overlap_notes),
+            facts,
             ShardedTokens(tokens, config.sp_min_tokens),
         )
 
@@ -161,6 +167,15 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         f"{'yes' if entries else 'no'} ({entries} full-size term(s) sharded where they join)",
         *(f"rows per rank: ceil({plan.tokens}/{size})" for size in sorted({r.group.size for r in plan.regions})),
     ]
+
+
+def _overlap_note(region: Region, blocker: str | None, emitted: Emitted) -> str:
+    if blocker is not None:
+        return f"overlap over {region.group}: off: {blocker}"
+    return (
+        f"overlap over {region.group}: {emitted.gemms_after_gathers} GEMM(s) read gathered rows, "
+        f"{emitted.gemms_before_scatters} reduce-scatter(s) read a GEMM's rows (for Inductor's micro-pipeline TP)"
+    )
 
 
 def _plan_facts(plan: Plan) -> dict[str, int]:

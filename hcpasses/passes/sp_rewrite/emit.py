@@ -9,6 +9,7 @@ symbolic N, to ``fx.Proxy`` values so that the same functions emit the graph's `
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from hcpasses.passes.sp_rewrite.collectives import WAIT, AllReduceMatch, c10d
+from hcpasses.passes.sp_rewrite.overlap import feed_gemms_untrimmed, gemm_of_partial, gemm_on_padded_rows
 from hcpasses.passes.sp_rewrite.region import SYM_SIZE, Exit, Region
 from hcpasses.passes.sp_rewrite.tokens import Size, SizeOf
 from hcpasses.patterns.tracing import value_of
@@ -26,16 +28,28 @@ aten = torch.ops.aten
 SHARD_ROWS = torch.ops.hcpasses.shard_rows.default  # registered by importing hcpasses.rows
 
 
-def rewrite_region(graph: fx.Graph, region: Region) -> tuple[str, ...]:
-    """Shard ``region`` over its group (this process's rank in it, its size); returns the names of the values
-    gathered at its exits."""
-    return _Emitter(graph, region).emit()
+@dataclasses.dataclass(frozen=True)
+class Emitted:
+    """What the rewrite of a region made: the values gathered at its exits and, with ``overlap``, the GEMMs that
+    read a gather's rows directly and those whose output the reduce-scatter reads (``overlap``)."""
+
+    gathered: tuple[str, ...]
+    gemms_after_gathers: int = 0
+    gemms_before_scatters: int = 0
+
+
+def rewrite_region(graph: fx.Graph, region: Region, overlap: bool = False) -> Emitted:
+    """Shard ``region`` over its group (this process's rank in it, its size); with ``overlap``, in the form
+    Inductor's micro-pipeline TP fuses (``overlap``)."""
+    return _Emitter(graph, region, overlap).emit()
 
 
 class _Emitter:
-    def __init__(self, graph: fx.Graph, region: Region) -> None:
-        self.graph, self.region = graph, region
+    def __init__(self, graph: fx.Graph, region: Region, overlap: bool) -> None:
+        self.graph, self.region, self.overlap = graph, region, overlap
         self.rank, self.tp = region.group.rank, region.group.size
+        self.untrimmed: dict[fx.Node, fx.Node] = {}  # a gathered value -> its rows before the trim to N
+        self.gemms_before_scatters = 0
 
     def emit(self) -> tuple[str, ...]:
         region, graph = self.region, self.graph
@@ -64,8 +78,10 @@ class _Emitter:
             full = self._gather(source, exit_)
             for user in exit_.users:
                 user.replace_input_with(source, full)
+        gemms_after_gathers = feed_gemms_untrimmed(self.untrimmed, self.tokens) if self.overlap else 0
         graph.eliminate_dead_code()
-        return tuple(exit_.value.name for exit_ in region.exits)
+        gathered = tuple(exit_.value.name for exit_ in region.exits)
+        return Emitted(gathered, gemms_after_gathers, self.gemms_before_scatters)
 
     def _token_sizes(self) -> tuple[list[Any], Any, Any]:
         """The start's token sizes, N and R = ceil(N/tp): ints, or nodes computing them when N is symbolic."""
@@ -92,9 +108,14 @@ class _Emitter:
         """``wait(all_reduce(partial))`` -> this rank's rows of the sum: pad to R*tp rows, reduce-scatter."""
         partial, k = match.partial, self.region.dims[match.partial]
         shape = list(value_of(partial).shape)
+        gemm = gemm_of_partial(partial) if self.overlap else None
         with self.graph.inserting_before(match.all_reduce):
-            flat = self._flatten_tokens(partial, k, shape[k:])
-            padded = self._pad_rows(flat, len(shape) - k + 1)
+            if gemm is not None:  # the reduce-scatter reads the GEMM's rows, padded in its left operand
+                padded = self._gemm_on_all_rows(gemm)
+                self.gemms_before_scatters += 1
+            else:
+                flat = self._flatten_tokens(partial, k, shape[k:])
+                padded = self._pad_rows(flat, len(shape) - k + 1)
             scattered = self.graph.call_function(
                 c10d.reduce_scatter_tensor.default, (padded, "sum", self.tp, self.region.group.arg)
             )
@@ -108,6 +129,18 @@ class _Emitter:
         self.graph.erase_node(match.all_reduce)
         return local
 
+    def _gemm_on_all_rows(self, gemm: fx.Node) -> fx.Node:
+        """``gemm`` ([N, S]) on R*tp rows: its left operand padded with zero rows (none when they divide evenly)."""
+        with self.graph.inserting_before(gemm):  # a symbolic count is computed where the new GEMM can read it
+            missing = self._missing_rows()
+        return gemm if isinstance(missing, int) and missing == 0 else gemm_on_padded_rows(gemm, missing)
+
+    def _missing_rows(self) -> Any:
+        """The zero rows that make N split evenly: an int, or a node computing it for a symbolic N."""
+        if isinstance(self.tokens, int):
+            return pad_rows(self.tokens, self.tp)
+        return _node(pad_rows(_proxy(self.tokens), self.tp))
+
     def _flatten_tokens(self, node: fx.Node, k: int, rest: list[Any]) -> fx.Node:
         """``node`` (``k`` token dims, then ``rest``) reshaped to ``[tokens, *rest]`` (a no-op for one token dim);
         ``rest`` are ints: the analysis rejects symbolic sizes after several token dims."""
@@ -117,12 +150,9 @@ class _Emitter:
 
     def _pad_rows(self, flat: fx.Node, ndim: int) -> fx.Node:
         """``flat [N, ...]`` (``ndim`` dims) padded with zero rows to ``[R*tp, ...]``."""
-        if isinstance(self.tokens, int):
-            missing: Any = pad_rows(self.tokens, self.tp)
-            if missing == 0:
-                return flat
-        else:
-            missing = _node(pad_rows(_proxy(self.tokens), self.tp))
+        missing = self._missing_rows()
+        if isinstance(missing, int) and missing == 0:
+            return flat
         pad = [0, 0] * (ndim - 1) + [0, missing]
         return self.graph.call_function(aten.constant_pad_nd.default, (flat, pad, 0.0))
 
@@ -136,10 +166,13 @@ class _Emitter:
             flat = self._flatten_tokens(source, k, rest)
             gathered = self.graph.call_function(c10d.all_gather_into_tensor.default, (flat, self.tp, group))
             waited = self.graph.call_function(WAIT, (gathered,))
-            full = self.graph.call_function(aten.slice.Tensor, (waited, 0, 0, self.tokens))
+            # FP8 codes back to their dtype right after the wait: the form Inductor's fusions match (``overlap``)
+            rows = self.graph.call_function(aten.view.dtype, (waited, val.dtype)) if as_bytes else waited
+            full = self.graph.call_function(aten.slice.Tensor, (rows, 0, 0, self.tokens))
             if k > 1:
                 full = self.graph.call_function(aten.reshape.default, (full, [*map(self._size, exit_.sizes), *rest]))
-            return self.graph.call_function(aten.view.dtype, (full, val.dtype)) if as_bytes else full
+            self.untrimmed[full] = rows
+            return full
 
 
 def _replace_uses(old: fx.Node, new: Any) -> None:
