@@ -123,6 +123,8 @@ def test_two_gloo_ranks_match_single_device_eager() -> None:
     reports = first["dynamic-reports"]
     assert "[sharded variant]" in reports[0] and "[unsharded variant]" in reports[1]
     assert "gated_mean_quant   applied" in reports[0]
+    # overlap is on by default and falls back on gloo: said in the report, the values above are eager's
+    assert "overlap over group '0' (rank 0 of 2): off: no CUDA device (symmetric memory needs GPUs)" in reports[0]
 
 
 def recording_compile_fx(monkeypatch) -> list[dict[str, Any]]:
