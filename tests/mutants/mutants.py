@@ -99,9 +99,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="sp_gather_no_trim",
         fault="the gather after all_gather keeps the pad rows (R*tp rows instead of T)",
         file="hcpasses/passes/sp_rewrite/emit.py",
-        old="""            full = self.graph.call_function(aten.slice.Tensor, (waited, 0, 0, self.tokens))
+        old="""            full = self.graph.call_function(aten.slice.Tensor, (rows, 0, 0, self.tokens))
 """,
-        new="""            full = waited
+        new="""            full = rows
 """,
         tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_sp_off_and_eager[2-9-True-None]",),
     ),
@@ -119,13 +119,13 @@ MUTANTS: tuple[Mutant, ...] = (
         name="sp_reduce_scatter_wrong_dim",
         fault="the reduce-scatter splits the rows interleaved (rank r gets rows r, r+tp, ...) instead of in blocks",
         file="hcpasses/passes/sp_rewrite/emit.py",
-        old="""            padded = self._pad_rows(flat, len(shape) - k + 1)
+        old="""                padded = self._pad_rows(flat, len(shape) - k + 1)
 """,
-        new="""            padded = self._pad_rows(flat, len(shape) - k + 1)
-            rest = shape[k:]
-            blocks = self.graph.call_function(aten.reshape.default, (padded, [self.rows, self.tp, *rest]))
-            swapped = self.graph.call_function(aten.transpose.int, (blocks, 0, 1))
-            padded = self.graph.call_function(aten.reshape.default, (swapped, [-1, *rest]))
+        new="""                padded = self._pad_rows(flat, len(shape) - k + 1)
+                rest = shape[k:]
+                blocks = self.graph.call_function(aten.reshape.default, (padded, [self.rows, self.tp, *rest]))
+                swapped = self.graph.call_function(aten.transpose.int, (blocks, 0, 1))
+                padded = self.graph.call_function(aten.reshape.default, (swapped, [-1, *rest]))
 """,
         tests=("tests/test_sp_rewrite.py::test_mhc_family_is_sharded_and_matches_sp_off_and_eager[2-9-True-None]",),
     ),
@@ -269,9 +269,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="sp_pads_of_token_rows_are_row_local",
         fault="SP takes every constant pad as row-local, also one that shifts the token rows",
         file="hcpasses/passes/sp_rewrite/rules.py",
-        old="""    if any(dim < k for dim in padded):
+        old="""    if any(layout.holds(dim) for dim in padded):
 """,
-        new="""    if any(dim < k for dim in padded) and False:  # "a pad keeps the values where they are"
+        new="""    if any(layout.holds(dim) for dim in padded) and False:  # "a pad keeps the values where they are"
 """,
         tests=("tests/test_spellings.py",),
         k="shifts_token_rows",
