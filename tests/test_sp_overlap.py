@@ -32,6 +32,7 @@ from hcpasses.config import HCPassesConfig
 from hcpasses.fp8 import Fp8Linear
 from hcpasses.passes.sp_rewrite.overlap import overlap_blocker
 from hcpasses.testing.models import HCConfig, HCDecoder
+from hcpasses.verify import refresh_fake_values
 
 LAYERS = 2
 SYMM_MEM_OPS = {
@@ -54,11 +55,15 @@ def capture(tokens: int, fp8: bool = False, overlap: bool = True) -> tuple[RankG
 
 
 def fused_by_inductor(graphs: RankGraphs, monkeypatch) -> dict[str, int]:
-    """Inductor's micro-pipeline TP pass on a copy of rank 0's graph, as if symmetric memory were enabled."""
+    """Inductor's micro-pipeline TP pass on a copy of rank 0's graph, as if symmetric memory were enabled; the fused
+    graph's values then propagate through the fused ops' meta functions (dtypes and shapes they accept: FP8 codes
+    gathered as bytes failed here, uint8 into ``_scaled_mm``)."""
     graph = copy.deepcopy(graphs.graphs[0]).graph
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     with _symmetric_memory._test_mode():
         micro_pipeline_tp.micro_pipeline_tp_pass(graph)
+    with fake_process_group(0, 2):  # the fused ops' meta functions ask the group its size
+        refresh_fake_values(graph)
     counts: dict[str, int] = {}
     for node in graph.nodes:
         if str(node.target).startswith("symm_mem."):
@@ -132,7 +137,8 @@ def test_without_the_shaping_a_ragged_t_fuses_nothing(monkeypatch) -> None:
 @pytest.mark.usefixtures("capable_groups", "scaled_mm_on_cpu")
 def test_fp8_codes_gather_into_the_scaled_gemms() -> None:
     """bf16 FP8 model, projections as ``_scaled_mm`` reading the gathered codes and their row-wise scales: the
-    codes' gathers are shaped (the scales' gathers stay: Inductor's fused op takes them replicated)."""
+    codes' gathers are shaped and send FP8 (not bytes; the scales' gathers stay: Inductor's fused op takes them
+    replicated)."""
     graphs, ids = capture(9, fp8=True)
     record = graphs.report.record("sp_rewrite")
     assert record.facts["gemms_after_gathers"] == 2 * LAYERS and record.facts["gemms_before_scatters"] == 2 * LAYERS

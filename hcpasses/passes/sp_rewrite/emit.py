@@ -159,7 +159,10 @@ class _Emitter:
     def _gather(self, node: fx.Node, exit_: Exit) -> fx.Node:
         """All token rows of a region value: all_gather (FP8 as uint8 bytes), trim the pad rows, restore the token
         dims."""
-        k, val, as_bytes = self.region.dims[exit_.value], value_of(exit_.value), exit_.as_bytes
+        k, val = self.region.dims[exit_.value], value_of(exit_.value)
+        # FP8 codes travel as bytes (gloo has no FP8), but as FP8 where overlap is on (NCCL sends FP8): given the
+        # bytes, Inductor's fusion would hand fused_all_gather_scaled_matmul uint8 codes (torch 2.13).
+        as_bytes = exit_.as_bytes and not self.overlap
         rest, group = list(val.shape[k:]), self.region.group.arg
         with self.graph.inserting_before(node.next):  # keeps the new nodes in order, right after node
             source = self.graph.call_function(aten.view.dtype, (node, torch.uint8)) if as_bytes else node

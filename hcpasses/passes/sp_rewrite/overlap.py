@@ -15,8 +15,10 @@ that feeds a reduce-scatter, and fuses them into ``torch.ops.symm_mem`` ops (``f
 ``fused_all_gather_scaled_matmul`` for FP8 codes, ``fused_matmul_reduce_scatter``) over groups with symmetric
 memory, which the backend enables. We write no fusion of our own: the shapes are what its matcher
 (``torch._inductor.fx_passes.micro_pipeline_tp``, private; ``tests/test_sp_overlap.py`` runs it on our graphs)
-needs: ``wait`` (or ``view.dtype(wait)`` for FP8 codes sent as bytes) read directly by ``mm`` / ``_scaled_mm``, or
-by a reshape to 2-D that they read; the reduce-scatter reading a GEMM's output directly.
+needs: ``wait`` read directly by ``mm`` / ``_scaled_mm``, or by a reshape to 2-D that they read; the reduce-scatter
+reading a GEMM's output directly. FP8 codes are gathered as FP8 here (NCCL sends FP8; SP alone sends bytes, for
+gloo): from ``view.dtype(wait)`` of bytes Inductor would hand ``fused_all_gather_scaled_matmul`` uint8 codes, which
+``_scaled_mm`` refuses (torch 2.13; the test propagates the fused graph's values to catch that).
 
 A GEMM is shaped only where the rewrite is exact and costs nothing extra: the gathered rows are its left operand
 (an FP8 ``_scaled_mm`` with row-wise scales reads the gathered scales untrimmed too); on the scatter side the GEMM's
