@@ -19,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hcpasses
 from hcpasses.backend import (
+    MICRO_PIPELINE_TP,
     HCPassesBackend,
     TokenCount,
     TokenDispatch,
@@ -30,6 +31,7 @@ from hcpasses.backend import (
 )
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult, ShardedTokens
+from hcpasses.passes.sp_rewrite.overlap import symmetric_memory_groups
 
 backend_module = sys.modules["hcpasses.backend"]
 aten = torch.ops.aten
@@ -379,3 +381,24 @@ def test_stored_reports_survive_a_missing_store_dir_and_several_graphs(
     again(gm, inputs)
     assert [r.passes for r in again.reports] == [r.passes for r in first.reports] and len(again.reports) == 2
     assert [(r.cached, r.index) for r in again.reports] == [(True, 0), (True, 1)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "groups"),
+    [({}, ["0"]), ({"overlap": False}, ["0"]), ({}, [])],
+    ids=["fusable_group", "overlap_off", "no_fusable_group"],
+)
+def test_micro_pipeline_tp_only_for_sp_compiles_over_fusable_groups(
+    monkeypatch, flags: dict[str, Any], groups: list[str]
+) -> None:
+    """Inductor's micro-pipeline TP (private config) is turned on for a compile only when overlap is on, the SP pass
+    runs in it (not the unsharded variant's) and some group can fuse (symmetric memory enabled for it)."""
+    monkeypatch.setattr(backend_module, "symmetric_memory_groups", lambda: groups)
+    be = HCPassesBackend(HCPassesConfig.resolve(env={}, **flags))
+    want = flags.get("overlap", True) and bool(groups)
+    assert be.inductor_config(be.manager).get(MICRO_PIPELINE_TP, False) is want
+    assert MICRO_PIPELINE_TP not in be.inductor_config(be.unsharded_manager("sp_rewrite"))
+
+
+def test_no_symmetric_memory_group_without_cuda() -> None:
+    assert symmetric_memory_groups() == []  # this machine: no CUDA, whatever the process groups
