@@ -23,6 +23,7 @@ from harness.reference import (
     capture_with_passes,
     collective_counts,
 )
+from harness.toy import BatchedHCModel
 from torch._inductor.fx_passes import micro_pipeline_tp
 from torch.distributed import _symmetric_memory
 
@@ -156,3 +157,47 @@ def test_fp8_fusion_by_inductor(monkeypatch, capable_groups, scaled_mm_on_cpu) -
     fused = fused_by_inductor(graphs, monkeypatch)
     assert set(fused) <= SYMM_MEM_OPS
     assert fused.get("symm_mem.fused_all_gather_scaled_matmul.default") == 2 * LAYERS, fused
+
+
+def capture_batched(dynamic: bool) -> tuple[RankGraphs, torch.Tensor]:
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    config = HCPassesConfig(sp_min_tokens=1)
+    graphs = capture_with_passes(batched_model, lambda r, n: (ids,), 2, config, dynamic=dynamic, one_trace=True)
+    return graphs, ids
+
+
+def batched_model(rank: int = 0, size: int = 1) -> BatchedHCModel:
+    """Built under the rank's group: its TP MLPs read the rank and size then."""
+    return BatchedHCModel(HCConfig.tiny(n_layers=LAYERS, intermediate=96, seed=5), None, False)
+
+
+@pytest.mark.usefixtures("capable_groups")
+def test_batch_seq_tokens_are_shaped_through_their_reshapes(monkeypatch) -> None:
+    """``[batch, seq, S]`` values (transformers' layout): the GEMMs read the gathered rows through the reshape to
+    ``[T, S]``; the final x's gather feeds the lm_head as well (5 GEMMs after gathers)."""
+    graphs, ids = capture_batched(dynamic=False)
+    record = graphs.report.record("sp_rewrite")
+    assert (record.facts["gemms_after_gathers"], record.facts["gemms_before_scatters"]) == (5, 4), record.notes
+    unsharded = graphs.sp_off()
+    with torch.no_grad():
+        eager = batched_model()(ids)
+    outputs = simulate(graphs.graphs, graphs.inputs)
+    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want, eager=[eager])
+    fused = fused_by_inductor(graphs, monkeypatch)
+    assert fused == {
+        "symm_mem.fused_all_gather_matmul.default": 5,
+        "symm_mem.fused_matmul_reduce_scatter.default": 4,
+    }
+
+
+@pytest.mark.usefixtures("capable_groups")
+def test_a_symbolic_token_count_is_not_shaped(monkeypatch) -> None:
+    """Fused, a graph with a symbolic T would not compile (the symm_mem ops' meta functions refuse symbolic sizes,
+    seen by propagating such a fused graph): SP leaves it unshaped, says why, and Inductor's pass fuses nothing."""
+    graphs, _ = capture_batched(dynamic=True)
+    record = graphs.report.record("sp_rewrite")
+    assert record.facts["gemms_after_gathers"] == record.facts["gemms_before_scatters"] == 0
+    [note] = [note for note in record.notes if note.startswith("overlap")]
+    assert "off: symbolic token count" in note and "need static sizes" in note, note
+    assert fused_by_inductor(graphs, monkeypatch) == {}

@@ -3,8 +3,9 @@ resolved there, so the emitters only insert nodes and rewire uses; a rewrite tha
 
 The start and the full-size entries are sharded (``hcpasses::shard_rows``), each all-reduce becomes pad +
 reduce-scatter, size arguments of reshapes take a shard's token dims (``Layout.sharded_sizes``), and every exit is
-all-gathered (FP8 as bytes) and trimmed to the N rows. Row arithmetic is ``hcpasses.rows``'s, applied to ints or, for a
-symbolic N, to ``fx.Proxy`` values so that the same functions emit the graph's ``operator`` nodes.
+all-gathered (FP8 as bytes; as FP8 with ``overlap``) and trimmed to the N rows. Row arithmetic is
+``hcpasses.rows``'s, applied to ints or, for a symbolic N, to ``fx.Proxy`` values so that the same functions emit
+the graph's ``operator`` nodes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ SHARD_ROWS = torch.ops.hcpasses.shard_rows.default  # registered by importing hc
 
 @dataclasses.dataclass(frozen=True)
 class Emitted:
-    """What the rewrite of a region made: the values gathered at its exits and, with ``overlap``, the GEMMs that
-    read a gather's rows directly and those whose output the reduce-scatter reads (``overlap``)."""
+    """What the rewrite of a region made: the values gathered at its exits and, with overlap (``overlap``), how many
+    GEMMs read a gather's rows directly and how many reduce-scatters read a GEMM's output directly."""
 
     gathered: tuple[str, ...]
     gemms_after_gathers: int = 0
@@ -48,10 +49,10 @@ class _Emitter:
     def __init__(self, graph: fx.Graph, region: Region, overlap: bool) -> None:
         self.graph, self.region, self.overlap = graph, region, overlap
         self.rank, self.tp = region.group.rank, region.group.size
-        self.untrimmed: dict[fx.Node, fx.Node] = {}  # a gathered value -> its rows before the trim to N
+        self.untrimmed: dict[fx.Node, tuple[fx.Node, Any]] = {}  # a gathered [N, K] value -> ([R*tp, K] rows, K)
         self.gemms_before_scatters = 0
 
-    def emit(self) -> tuple[str, ...]:
+    def emit(self) -> Emitted:
         region, graph = self.region, self.graph
         # N, R and the start's token sizes right after the start, where every later use can read them.
         with graph.inserting_before(region.start.next):
@@ -174,7 +175,8 @@ class _Emitter:
             full = self.graph.call_function(aten.slice.Tensor, (rows, 0, 0, self.tokens))
             if k > 1:
                 full = self.graph.call_function(aten.reshape.default, (full, [*map(self._size, exit_.sizes), *rest]))
-            self.untrimmed[full] = rows
+            if len(rest) == 1:  # [N, K] values: GEMMs can read their rows
+                self.untrimmed[full] = (rows, rest[0])
             return full
 
 

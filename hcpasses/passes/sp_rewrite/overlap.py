@@ -24,8 +24,10 @@ A GEMM is shaped only where the rewrite is exact and costs nothing extra: the ga
 (an FP8 ``_scaled_mm`` with row-wise scales reads the gathered scales untrimmed too); on the scatter side the GEMM's
 only user is the all-reduce's input. Other readers of the gathered rows read the trimmed value as before.
 
-Applies when: ``overlap`` is on and ``overlap_blocker`` finds nothing (CUDA, the group's backend NCCL, more than one
-rank). Otherwise (CPU, gloo, one GPU under a fake group) the graph is as SP alone makes it and the report says why.
+Applies when: ``overlap`` is on, ``overlap_blocker`` finds nothing (CUDA, the group's backend NCCL, more than one
+rank) and the token count is static: the fused ops' meta functions refuse symbolic sizes (torch 2.13), so a fused
+graph with a symbolic T would not compile. Otherwise (CPU, gloo, one GPU under a fake group, symbolic T) the graph is
+as SP alone makes it and the report says why.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from hcpasses.passes.sp_rewrite.tokens import same_size
+
 aten = torch.ops.aten
 GEMMS = (aten.mm.default, aten._scaled_mm.default)
 SCALED_MM = aten._scaled_mm.default
+RESHAPES = (aten.reshape.default, aten.view.default)
 
 
 def overlap_blocker(group_name: str) -> str | None:
@@ -79,23 +84,23 @@ def symmetric_memory_groups() -> list[str]:
     return names
 
 
-def feed_gemms_untrimmed(untrimmed: Mapping[fx.Node, fx.Node], tokens: Any) -> int:
-    """Each GEMM whose left operand is a gathered value (``untrimmed`` maps its trimmed node to the untrimmed
-    ``[R*tp, ...]`` rows) reads the untrimmed rows, and its result is trimmed to the ``tokens`` rows instead.
-    Returns how many GEMMs now read a gather's rows directly."""
+def feed_gemms_untrimmed(untrimmed: Mapping[fx.Node, tuple[fx.Node, Any]], tokens: Any) -> int:
+    """Each GEMM whose left operand is a gathered ``[N, K]`` value (``untrimmed`` maps it to its untrimmed ``[R*tp,
+    K]`` rows and K) reads the untrimmed rows, and its result is trimmed to the ``tokens`` rows instead. Returns how
+    many GEMMs now read a gather's rows directly."""
     shaped = 0
-    for trimmed, rows in untrimmed.items():
-        for gemm in _gemms_reading(trimmed):
+    for trimmed, (rows, width) in untrimmed.items():
+        for gemm in _gemms_reading(trimmed, width):
             scale = gemm.args[2] if gemm.target is SCALED_MM else None
-            if scale is not None and _source_rows(scale, untrimmed) is None and _row_wise(scale, gemm):
+            scale_rows = _source_rows(scale, untrimmed) if scale is not None else None
+            if scale is not None and scale_rows is None and _row_wise(scale):
                 continue  # row-wise scales that are not gathered here: they cannot grow to R*tp rows
-            graph = gemm.graph
             args = list(gemm.args)
             args[0] = rows
-            if scale is not None and _source_rows(scale, untrimmed) is not None:
-                args[2] = _source_rows(scale, untrimmed)
-            with graph.inserting_after(gemm):
-                trim = graph.call_function(aten.slice.Tensor, (gemm, 0, 0, tokens))
+            if scale_rows is not None:
+                args[2] = scale_rows
+            with gemm.graph.inserting_after(gemm):
+                trim = gemm.graph.call_function(aten.slice.Tensor, (gemm, 0, 0, tokens))
             gemm.replace_all_uses_with(trim, delete_user_cb=lambda user, trim=trim: user is not trim)
             gemm.args = tuple(args)
             shaped += 1
@@ -106,13 +111,13 @@ def gemm_of_partial(partial: fx.Node) -> fx.Node | None:
     """The GEMM whose ``[N, S]`` output is ``partial`` (itself, or behind a reshape to the token dims), when the
     all-reduce's input is its only use; None otherwise."""
     gemm = partial
-    if partial.target in (aten.reshape.default, aten.view.default) and isinstance(partial.args[0], fx.Node):
+    if partial.target in RESHAPES and isinstance(partial.args[0], fx.Node):
         gemm = partial.args[0]
         if len(gemm.users) != 1:
             return None
     if gemm.target not in GEMMS or len(partial.users) != 1:
         return None
-    if gemm.target is SCALED_MM and _row_wise(gemm.args[2], gemm):
+    if gemm.target is SCALED_MM and _row_wise(gemm.args[2]):
         return None  # its row-wise scales would need padding too
     return gemm
 
@@ -125,25 +130,35 @@ def gemm_on_padded_rows(gemm: fx.Node, missing: Any) -> fx.Node:
         return graph.call_function(gemm.target, (padded, *gemm.args[1:]), dict(gemm.kwargs))
 
 
-def _gemms_reading(trimmed: fx.Node) -> list[fx.Node]:
-    """The GEMMs that read ``trimmed`` as their left operand, directly or through a reshape to 2-D."""
+def _gemms_reading(trimmed: fx.Node, width: Any) -> list[fx.Node]:
+    """The GEMMs that read ``trimmed`` (``[N, width]``) as their left operand, directly or through a reshape to
+    ``[N, width]`` (the token dims of ``[batch, seq, width]`` flattened)."""
     gemms = [user for user in trimmed.users if user.target in GEMMS and user.args[0] is trimmed]
     for user in trimmed.users:
-        if user.target in (aten.reshape.default, aten.view.default) and len(user.args[1]) == 2:
+        if user.target in RESHAPES and _is_rows_of(user, width):
             gemms += [gemm for gemm in user.users if gemm.target in GEMMS and gemm.args[0] is user]
     return gemms
 
 
-def _source_rows(value: fx.Node, untrimmed: Mapping[fx.Node, fx.Node]) -> fx.Node | None:
-    """The untrimmed rows behind ``value`` (a trimmed gathered value, or a 2-D reshape of one)."""
+def _is_rows_of(reshape: fx.Node, width: Any) -> bool:
+    """Whether ``reshape``'s result is 2-D with ``width`` columns: one row per token."""
+    val = reshape.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 2 and same_size(val.shape[1], width)
+
+
+def _source_rows(value: Any, untrimmed: Mapping[fx.Node, tuple[fx.Node, Any]]) -> fx.Node | None:
+    """The untrimmed rows behind ``value`` (a gathered value, or its reshape to one row per token)."""
+    if not isinstance(value, fx.Node):
+        return None
     if value in untrimmed:
-        return untrimmed[value]
-    if value.target in (aten.reshape.default, aten.view.default) and value.args[0] in untrimmed:
-        return untrimmed[value.args[0]]
+        return untrimmed[value][0]
+    source = value.args[0] if value.target in RESHAPES else None
+    if source in untrimmed and _is_rows_of(value, untrimmed[source][1]):
+        return untrimmed[source][0]
     return None
 
 
-def _row_wise(scale: Any, gemm: fx.Node) -> bool:
+def _row_wise(scale: Any) -> bool:
     """Whether a ``_scaled_mm`` scale has one value per row of the left operand (rather than one for all)."""
     if not isinstance(scale, fx.Node):
         return False
