@@ -64,11 +64,11 @@ class Exit:
 class Region:
     """One stretch of the graph that runs on this rank's token rows, and all that its rewrite needs.
 
-        ``nodes`` run on shards (``start`` and the waits of ``reduces`` are not among them: the start stays full for
-        its users outside, the waits are replaced). ``dims`` holds the token dims of every value the region shards,
+    ``nodes`` run on shards (``start`` and the waits of ``reduces`` are not among them: the start stays full for
+    its users outside, the waits are replaced). ``dims`` holds the token dims of every value the region shards,
     reduce-scatters or gathers (they lead with their tokens); ``reshapes`` the layout of every reshape in it.
-        ``start_sizes`` are the start's token sizes (what ``Size`` values refer to); ``tokens`` is N. Its all-reduces
-        sum over one group, ``group``, which its rows are sharded over (the planner cuts where the group changes).
+    ``start_sizes`` are the start's token sizes (what ``Size`` values refer to); ``tokens`` is N. Its all-reduces
+    sum over one group, ``group``, which its rows are sharded over (the planner cuts where the group changes).
     """
 
     start: fx.Node

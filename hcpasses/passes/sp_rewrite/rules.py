@@ -251,8 +251,8 @@ def _reduction(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts)
 def _mm(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
     # Row i of x @ W is a function of row i of x alone, whatever W is (an HC weight, or a TP shard of a
     # projection that reads the streams); check_operand makes sure W carries no tokens.
-    if layout.first != 0:
-        return NotShardable("a GEMM whose left operand does not lead with the tokens", node)
+    if (layout.first, layout.end) != (0, 1):  # tokens in the rows only: the contraction dim holds none
+        return NotShardable("a GEMM whose left operand does not hold the tokens in its rows", node)
     return layout
 
 
@@ -260,7 +260,7 @@ def _bmm(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> La
     # Batched over tokens (mHC's per-token comb @ streams, an einsum's [T*S, 1, n] x [T*S, n, 1]); a right operand
     # from the region must hold its tokens alike, one from outside is checked like any other.
     other = node.args[1]
-    if layout.first != 0 or (other in layouts and layouts[other] != layout):
+    if (layout.first, layout.end) != (0, 1) or (other in layouts and layouts[other] != layout):
         return NotShardable("a batched GEMM whose batch dim is not the tokens of both operands", node)
     return layout
 

@@ -122,7 +122,7 @@ def reshaped_layout(layout: Layout, source: Sequence[Any], out: Sequence[Any], t
     exact = [i for i, size in enumerate(prefixes) if same_size(size, before)]
     dividing = [i for i, size in enumerate(prefixes) if isinstance(size, int) and before % size == 0]
     first = exact[0] if exact else max(dividing)
-    outer = before // prefixes[first]
+    outer = 1 if exact else before // prefixes[first]
     for end in range(first + 1, len(out) + 1):
         inner = _static_quotient(prefixes[end], before * tokens)
         if inner is not None:
@@ -219,7 +219,10 @@ def _join(xn: fx.Node, inside: set[fx.Node], frontier: list[fx.Node]) -> fx.Node
     candidates = [
         node
         for node in inside
-        if node is not xn and same_size(_numel(node), size) and _on_every_path(node, frontier, inside, xn)
+        if node is not xn
+        and _numel(node) is not None
+        and same_size(_numel(node), size)
+        and _on_every_path(node, frontier, inside, xn)
     ]
     return min(candidates, key=order.__getitem__, default=None)
 
