@@ -252,3 +252,67 @@ def test_real_size_models_compile_and_count_exactly_on_cuda(family: str) -> None
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``|actual - expected| / |expected|`` over the whole tensor (Frobenius), in fp32."""
     return float((actual.float() - expected.float()).norm() / expected.float().norm())
+
+
+@pytest.fixture
+def one_rank_nccl_group(tmp_path) -> Any:
+    """A one-rank NCCL default group with symmetric memory enabled (issue #25's 1-GPU smoke of the fused ops)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    name = dist.group.WORLD.group_name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated on 2.13, still what the fusions check
+        _symmetric_memory.enable_symm_mem_for_group(name)
+    try:
+        yield name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_symmetric_memory_fused_ops_on_one_rank_equal_their_parts(one_rank_nccl_group: str) -> None:
+    """The symm_mem ops overlap relies on, over one rank: the fused all-gather GEMM (bf16; FP8 codes with their
+    replicated row-wise scales) and the fused GEMM reduce-scatter give what their unfused parts give."""
+    from hcpasses.passes.sp_rewrite.overlap import overlap_blocker, symmetric_memory_groups
+
+    name = one_rank_nccl_group
+    assert overlap_blocker(name) == f"group '{name}' has one rank" and symmetric_memory_groups() == []
+    symm_mem = torch.ops.symm_mem
+    a, b = seeded(64, 256, seed=3).bfloat16(), seeded(256, 128, seed=4).bfloat16()
+    _, [gathered] = symm_mem.fused_all_gather_matmul(a, [b], 0, name, return_A=False)
+    torch.testing.assert_close(gathered, a @ b, rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, name), a @ b, rtol=2**-7, atol=1e-2)
+    q, scale = quantize_per_token(a)
+    wq, wscale = quantize_per_token(b.t().contiguous())
+    expected = torch._scaled_mm(q, wq.t(), scale_a=scale, scale_b=wscale.t(), out_dtype=torch.bfloat16)
+    _, [scaled] = symm_mem.fused_all_gather_scaled_matmul(
+        q, [wq.t()], scale, [wscale.t()], 0, name, [None], [None], [torch.bfloat16], [False]
+    )
+    torch.testing.assert_close(scaled.float(), expected.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_inductor_fuses_a_gather_and_a_scatter_with_their_gemms_on_cuda(one_rank_nccl_group: str) -> None:
+    """What overlap turns on (Inductor's ``_micro_pipeline_tp``) on CUDA: a waited gather read by a GEMM and a
+    GEMM read by a reduce-scatter compile to the fused symm_mem ops and give eager's values."""
+    from torch.distributed import _functional_collectives as funcol
+
+    name = one_rank_nccl_group
+
+    def column_then_row(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        gathered = funcol.all_gather_tensor(x, 0, name)
+        return funcol.reduce_scatter_tensor(torch.relu(gathered @ w1) @ w2, "sum", 0, name)
+
+    x, w1, w2 = seeded(128, 256, seed=5).bfloat16(), seeded(256, 512, seed=6).bfloat16(), seeded(512, 256, seed=7)
+    w2 = w2.bfloat16()
+    torch._dynamo.reset()
+    recorder = RecordingPass()
+    patches = {"_micro_pipeline_tp": True, "force_disable_caches": True, "post_grad_custom_post_pass": recorder}
+    with torch._inductor.config.patch(patches), torch.no_grad():
+        out = torch.compile(column_then_row, backend="inductor")(x, w1, w2)
+    fused = {str(n.target) for n in recorder.graphs[0].graph.nodes if str(n.target).startswith("symm_mem.")}
+    assert fused == {"symm_mem.fused_all_gather_matmul.default", "symm_mem.fused_matmul_reduce_scatter.default"}
+    torch.testing.assert_close(out.float(), (torch.relu(x @ w1) @ w2).float(), rtol=2e-2, atol=2e-2)
