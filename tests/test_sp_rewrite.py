@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from contextlib import nullcontext
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from harness.tally import CheckedGraphs
 from hypothesis import given
 from hypothesis import strategies as st
 
+import hcpasses.passes.sp_rewrite as sp_rewrite
 from hcpasses.config import HCPassesConfig
 from hcpasses.testing.models import HCConfig, HCDecoder
 
@@ -36,6 +39,7 @@ class Case:
     fp8: bool
     dynamic: bool
     group: str = "world"  # the TP group: world (the default group) / dp2 (one of 2 TP groups of a world of 2*tp)
+    overlap: bool = False  # SP's collectives shaped for fusion (sp_rewrite.overlap), the group's capability pretended
 
     @property
     def ple_layer(self) -> int | None:
@@ -74,15 +78,18 @@ class HCStateModel(torch.nn.Module):
 def capture(case: Case, tokens: int, dynamic: bool) -> RankGraphs:
     """Each rank's post-grad graph after the passes (captured without codegen)."""
     ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens))
-    return capture_with_passes(
-        lambda rank, tp, group=None: HCStateModel(case.config(), case.mtp, group),
-        lambda rank, tp: (ids,),
-        case.tp,
-        HCPassesConfig(sp_min_tokens=1),
-        dynamic=dynamic,
-        one_trace=True,
-        layout=case.layout(),
-    )
+    # overlap: every group counts as NCCL on CUDA (this machine has neither); otherwise the CPU's own answer (off)
+    capable = mock.patch.object(sp_rewrite, "overlap_blocker", lambda name: None) if case.overlap else nullcontext()
+    with capable:
+        return capture_with_passes(
+            lambda rank, tp, group=None: HCStateModel(case.config(), case.mtp, group),
+            lambda rank, tp: (ids,),
+            case.tp,
+            HCPassesConfig(sp_min_tokens=1),
+            dynamic=dynamic,
+            one_trace=True,
+            layout=case.layout(),
+        )
 
 
 def captured(case: Case, tokens: int) -> RankGraphs:
@@ -139,6 +146,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "fp8": (False, True),
     "dynamic": (False, True),
     "group": ("world", "dp2"),
+    "overlap": (False, True),
 }
 FULL_GRID = ("tp", "dynamic", "fp8")  # every combination of these occurs (for tp > 1)
 
@@ -243,6 +251,9 @@ def check_sharded_graph(data: st.DataObject, case: Case, seed: int) -> RankGraph
     assert (sp.status == "applied") == (case.tp > 1)
     assert sp.applied == (0 if case.tp == 1 else 2 * case.layers + 1)
     assert sp.facts.get("cuts", 0) == (1 if case.tp > 1 and case.ple_layer else 0), sp.notes
+    # overlap (static T only): every row-parallel GEMM feeds its reduce-scatter directly
+    shaped = case.overlap and case.tp > 1 and not case.dynamic
+    assert sp.facts.get("gemms_before_scatters", 0) == (2 * case.layers if shaped else 0), sp.notes
     if case.tp > 1:  # every collective is over the TP group, and each rank shards as its rank in it
         assert collective_groups(sharded.graphs[0]) == {tp_group_name(case.tp, case.layout())}
         per_rank = len(sharded.reports) // case.tp
