@@ -57,6 +57,11 @@ Applies when: torch.distributed is initialised, the all-reduces are sums over gr
 to an unsharded variant), and some HC block has an all-reduce over a group of size > 1 feeding a later HC block
 with only row-local nodes in between. Otherwise the graph is left untouched and the report says why.
 
+Overlap (``overlap``, ``sp_rewrite.overlap``): where the group is NCCL on CUDA with more than one rank and T is
+static, the emission also moves each gather's trim past the GEMMs that read it and each scatter's pad into the
+row-parallel GEMM's left operand, the form in which Inductor's micro-pipeline TP fuses them into symmetric-memory
+ops; the report says per region whether it did and why not.
+
 Code: analysis first, emission second. ``collectives`` finds the all-reduces (typed matches), ``tokens`` reads
 token dims and stream values, ``rules`` holds the row-locality checks, ``region`` builds the frozen ``Plan`` of
 ``Region``s (every check and every size resolved there; a refusal is a ``NotShardable`` value, ``verdict``),
