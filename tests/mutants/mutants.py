@@ -300,4 +300,26 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/real_models/test_export_check.py", "tests/real_models/test_delta_rule_op.py"),
         k="restore",
     ),
+    Mutant(
+        name="overlap_gemm_reads_untrimmed_rows_untrimmed",
+        fault="overlap makes a GEMM read the gathered rows with their pad rows and never trims its result",
+        file="hcpasses/passes/sp_rewrite/overlap.py",
+        old="""            gemm.replace_all_uses_with(trim, delete_user_cb=lambda user, trim=trim: user is not trim)
+""",
+        new="""            gemm.graph.erase_node(trim)  # "the pad rows are zeros anyway"
+""",
+        tests=("tests/test_sp_overlap.py",),
+        k="ragged",
+    ),
+    Mutant(
+        name="overlap_scatter_pad_dropped",
+        fault="overlap pads nothing into the row-parallel GEMM: the reduce-scatter gets N rows, not R*tp",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""        return gemm if isinstance(missing, int) and missing == 0 else gemm_on_padded_rows(gemm, missing)
+""",
+        new="""        return gemm  # "the scatter splits whatever it gets"
+""",
+        tests=("tests/test_sp_overlap.py",),
+        k="ragged",
+    ),
 )
