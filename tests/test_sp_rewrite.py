@@ -263,6 +263,26 @@ def check_sharded_graph(data: st.DataObject, case: Case, seed: int) -> RankGraph
     return sharded
 
 
+@pytest.mark.parametrize(("tokens", "by_op"), [(12, False), (13, True)], ids=["even", "ragged"])
+def test_an_even_static_token_count_shards_by_a_slice(tokens: int, by_op: bool, checked_graphs: CheckedGraphs) -> None:
+    """T % tp == 0 (static): each rank's rows of the replicated streams are a slice (a view, which Inductor fuses
+    into their readers), not the ``shard_rows`` op (a copy, there for the zero pad rows of a ragged T). Every
+    rank's values are SP off's and eager's."""
+    case = Case(tp=3, layers=2, ple="none", mtp=True, dtype=torch.float32, fp8=False, dynamic=False)
+    sharded = captured(case, tokens)
+    for gm in sharded.graphs:
+        ops = [n for n in gm.graph.nodes if n.target is torch.ops.hcpasses.shard_rows.default]
+        assert bool(ops) == by_op, gm.code
+    ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = reference_model(case.config())(ids, return_hc_state=True)
+    for got, want in zip(run(sharded, ids), run(sharded.sp_off(), ids), strict=True):
+        assert_same_as_sp_off(got, want, eager=expected)
+        for value, reference in zip(got, expected, strict=True):
+            torch.testing.assert_close(value, reference, rtol=1e-4, atol=1e-4)
+    checked_graphs.add(sharded)
+
+
 @pytest.mark.parametrize(("tp", "tokens", "fp8", "ple"), [(2, 9, True, None), (3, 2, False, 1), (4, 31, True, 0)])
 def test_mhc_family_is_sharded_and_matches_sp_off_and_eager(
     tp: int, tokens: int, fp8: bool, ple: int | None, checked_graphs: CheckedGraphs

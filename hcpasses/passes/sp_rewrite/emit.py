@@ -61,7 +61,7 @@ class _Emitter:
             _replace_uses(read, self._size(size))
             graph.erase_node(read)
         anchor = self.rows if isinstance(self.rows, fx.Node) else region.start
-        with graph.inserting_after(anchor):
+        with graph.inserting_before(anchor.next):  # the new nodes in order, right after the anchor
             shard = self._shard(region.start)
         for user in list(region.start.users):
             if user in region.nodes:
@@ -102,8 +102,19 @@ class _Emitter:
         return size
 
     def _shard(self, value: fx.Node) -> fx.Node:
-        """This rank's token rows of a full-size (replicated) value."""
-        return self.graph.call_function(SHARD_ROWS, (value, self.rank, self.tp, self.region.dims[value]))
+        """This rank's token rows of a full-size (replicated) value: a slice where a static N splits evenly (a view,
+        which Inductor fuses into its readers), else ``shard_rows`` (it pads the last rank's rows with zeros)."""
+        k = self.region.dims[value]
+        rest = list(value_of(value).shape[k:])
+        even = isinstance(self.tokens, int) and pad_rows(self.tokens, self.tp) == 0
+        if not even or not all(isinstance(size, int) for size in rest):
+            return self.graph.call_function(SHARD_ROWS, (value, self.rank, self.tp, k))
+        flat = self._flatten_tokens(value, k, rest)
+        begin = self.rank * self.rows
+        rows = self.graph.call_function(aten.slice.Tensor, (flat, 0, begin, begin + self.rows))
+        if k == 1:
+            return rows
+        return self.graph.call_function(aten.reshape.default, (rows, [*shard_token_sizes(self.rows, k), *rest]))
 
     def _reduce_scatter(self, match: AllReduceMatch) -> fx.Node:
         """``wait(all_reduce(partial))`` -> this rank's rows of the sum: pad to R*tp rows, reduce-scatter."""
