@@ -9,6 +9,8 @@ After (rank r works on its R = ceil(T/tp) token rows; rows padded with zeros up 
     hs = shard_rows(h, r, tp)[R,nS] -> mix -> x[R,S] -> all_gather, trim -> x[T,S] -> sub-layer shard
        -> p[T,S] -> pad to R*tp rows -> reduce_scatter -> y[R,S] -> combine(hs, y) -> h'[R,nS] -> next mix ...
 
+(``shard_rows`` where T does not split evenly; where a static T does, a plain slice, a view Inductor fuses.)
+
 All-reduce = reduce-scatter + all-gather, so the bytes on the wire are unchanged while each rank does
 1/tp of the HC work. When the fusion pass ran first, the fused op is part of the region and the
 gather moves FP8 codes (as uint8) and per-token scales instead of x.

@@ -1,7 +1,8 @@
 """SP emission: rewrites one analysed region in place. Every check ran in the analysis (``region``), every size is
 resolved there, so the emitters only insert nodes and rewire uses; a rewrite that starts always finishes.
 
-The start and the full-size entries are sharded (``hcpasses::shard_rows``), each all-reduce becomes pad +
+The start and the full-size entries are sharded (a slice where a static N splits evenly, else
+``hcpasses::shard_rows``, which pads the last rank's rows), each all-reduce becomes pad +
 reduce-scatter, size arguments of reshapes take a shard's token dims (``Layout.sharded_sizes``), and every exit is
 all-gathered (FP8 as bytes; as FP8 with ``overlap``) and trimmed to the N rows. Row arithmetic is
 ``hcpasses.rows``'s, applied to ints or, for a symbolic N, to ``fx.Proxy`` values so that the same functions emit
