@@ -5,7 +5,8 @@ report says why; the backend leaves Inductor's pass off. With the capability pre
 to find none), the shaped graph gives SP off's and eager's values at a ragged and an even T, and Inductor's own pass
 (``micro_pipeline_tp_pass`` under ``torch.distributed._symmetric_memory._test_mode``, with NCCL's availability
 patched: private APIs, pinned here) fuses every gathered sub-layer input with its GEMMs and every reduce-scatter
-with its GEMM, FP8 ``_scaled_mm`` projections included; at a ragged T without the shaping it fuses none.
+with its GEMM, FP8 ``_scaled_mm`` projections and ``[batch, seq]`` tokens included; at a ragged T without the
+shaping it fuses none. A symbolic T is left unshaped: the fused ops' meta functions refuse symbolic sizes.
 """
 
 from __future__ import annotations
