@@ -20,6 +20,7 @@ from harness.reference import (
     capture_with_passes,
     collective_counts,
 )
+from test_sp_rewrite import with_tokens  # the captured inputs with other ids and their symbolic T
 
 from hcpasses.config import HCPassesConfig
 
@@ -105,19 +106,6 @@ def test_every_gated_mean_spelling_shards_every_block(collapse: str, dtype: torc
     assert_every_block_sharded(sharded, 2, expected, dtype)
 
 
-def with_tokens(graph: torch.fx.GraphModule, inputs: list, ids: torch.Tensor) -> list:
-    """A dynamic capture's inputs for other ids: the symbolic T and the ids replaced."""
-    placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
-    values = []
-    for node, value in zip(placeholders, inputs, strict=True):
-        if isinstance(node.meta["val"], torch.SymInt):
-            value = ids.shape[0]
-        elif isinstance(value, torch.Tensor) and not value.is_floating_point():
-            value = ids
-        values.append(value)
-    return values
-
-
 @pytest.mark.parametrize("collapse", ["einsum", "stack_mean"])
 def test_inner_layouts_shard_with_a_symbolic_token_count(collapse: str) -> None:
     """The einsum's [T*S, 1, n] and the stack's [n*T, S] / [n, T, S] with a symbolic T: the shard's sizes are
@@ -141,9 +129,9 @@ def test_inner_layouts_shard_with_a_symbolic_token_count(collapse: str) -> None:
         with torch.no_grad():
             expected = GatedMeanHC(collapse, None, 1, torch.float32)(ids)
         ranks = range(2)
-        outputs = simulate(sharded.graphs, [with_tokens(sharded.graphs[r], sharded.inputs[r], ids) for r in ranks])
+        outputs = simulate(sharded.graphs, [with_tokens(sharded.inputs[r], sharded.graphs[r], ids) for r in ranks])
         reference = simulate(
-            unsharded.graphs, [with_tokens(unsharded.graphs[r], unsharded.inputs[r], ids) for r in ranks]
+            unsharded.graphs, [with_tokens(unsharded.inputs[r], unsharded.graphs[r], ids) for r in ranks]
         )
         for got, want in zip(outputs, reference, strict=True):
             assert_same_as_sp_off(got, want, eager=[expected])

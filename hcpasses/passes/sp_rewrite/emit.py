@@ -32,10 +32,9 @@ SHARD_ROWS = torch.ops.hcpasses.shard_rows.default  # registered by importing hc
 
 @dataclasses.dataclass(frozen=True)
 class Emitted:
-    """What the rewrite of a region made: the values gathered at its exits and, with overlap (``overlap``), how many
-    GEMMs read a gather's rows directly and how many reduce-scatters read a GEMM's output directly."""
+    """What the rewrite of a region made for overlap (``overlap``): how many GEMMs read a gather's rows directly and
+    how many reduce-scatters read a GEMM's output directly."""
 
-    gathered: tuple[str, ...]
     gemms_after_gathers: int = 0
     gemms_before_scatters: int = 0
 
@@ -82,8 +81,7 @@ class _Emitter:
                 user.replace_input_with(source, full)
         gemms_after_gathers = feed_gemms_untrimmed(self.untrimmed, self.tokens) if self.overlap else 0
         graph.eliminate_dead_code()
-        gathered = tuple(exit_.value.name for exit_ in region.exits)
-        return Emitted(gathered, gemms_after_gathers, self.gemms_before_scatters)
+        return Emitted(gemms_after_gathers, self.gemms_before_scatters)
 
     def _token_sizes(self) -> tuple[list[Any], Any, Any]:
         """The start's token sizes, N and R = ceil(N/tp): ints, or nodes computing them when N is symbolic."""
