@@ -2,7 +2,7 @@
 collapse spelling of ``corpus.collapses`` shards every HC block at tp 2 on the simulator (the gated means and the
 broadcasting ``@`` found as collapses by evaluation, the einsum and the stack whose inner values hold the tokens
 merged with the hidden dim or behind the stream axis among them); a
-causal conv over tokens in a later layer cuts the region there and the blocks on both sides stay sharded; outputs
+causal conv over tokens in a later layer runs on each rank's rows and the 2 before them (a halo gather, no cut); outputs
 equal the SP-off graph (exact but for last-bit roundings, which move at most one token row) and eager."""
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def test_every_norm_spelling_shards_every_block(
     )
     sp = sharded.report.record("sp_rewrite")
     assert sp.status == "applied" and sp.applied == 2 * LAYERS + 1, sharded.report  # every block + the final mixer
-    assert sp.facts["cuts"] == (conv_layer is not None), sp.notes
-    # Each sub-layer input and the final mixer's x are gathered; at the conv, the streams it reads.
+    # The causal conv over the streams runs on this rank's rows and the 2 before them: no cut, a halo gather.
+    assert (sp.facts["cuts"], sp.facts["halos"]) == (0, int(conv_layer is not None)), sp.notes
+    # Each sub-layer input and the final mixer's x are gathered; at the conv, the rows before each rank's.
     want = {"all_reduce": 0, "reduce_scatter": 2 * LAYERS, "all_gather": 2 * LAYERS + 1 + (conv_layer is not None)}
     assert collective_counts(sharded.graphs[0]) == want
     with torch.no_grad():

@@ -263,7 +263,7 @@ def test_gemms_padded_as_pad_mm_pads_them(row_pad: str | None, cut: str | None) 
         assert collective_counts(graph) == {"all_reduce": 0, "reduce_scatter": 4, "all_gather": 4 * 2 + 1}, sp.notes
     else:
         note = f"region cut at constant_pad_nd (aten.constant_pad_nd.default): {cut}"
-        assert note in sp.notes, sp.notes
+        assert any(line.startswith(note) for line in sp.notes), sp.notes
         assert sp.applied == 4, sp.notes
         assert collective_counts(graph) == {"all_reduce": 1, "reduce_scatter": 3, "all_gather": 4 * 2 + 1}, sp.notes
     with torch.no_grad():

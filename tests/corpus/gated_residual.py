@@ -5,7 +5,7 @@ in its math: grouped norm, down/up GEMMs, gated mean, ``2*sigmoid(l/n)`` inject)
 all-reduce through functional collectives, a final gated-mean mixer, and only the logits returned. The grouped
 norm is one of ``NORMS``: the spellings seen in public code (rsqrt in fp32 and back, ``x / sqrt(mean(x^2) + eps)``
 in the activation dtype, ``F.rms_norm``, Gemma's ``(1 + w)``). An optional causal depthwise conv over tokens
-on the streams (a non-row-local op) starts one layer.
+on the streams (a token window: each row reads the 2 before it) starts one layer.
 
 Weights are drawn full-size from a seed and each rank takes its TP slice, so any tp computes the tp = 1 model.
 """
@@ -137,6 +137,9 @@ class SwiGLU(nn.Module):
         return funcol.all_reduce(y, "sum", dist.group.WORLD) if self.tp > 1 else y
 
 
+WINDOWS = ("front_pad", "own_padding", "centred")
+
+
 class UserHC(nn.Module):
     def __init__(
         self,
@@ -149,10 +152,11 @@ class UserHC(nn.Module):
         n: int = 4,
         hidden: int = 32,
         vocab: int = 64,
+        window: str = "front_pad",
     ) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.n, self.conv_layer = n, conv_layer
+        self.n, self.conv_layer, self.window = n, conv_layer, window
         self.embed = _frozen(torch.randn(vocab, hidden, generator=g), dtype)
         self.blocks = nn.ModuleList(GatedResidual(n, hidden, 8, norm, g, dtype) for _ in range(2 * layers))
         self.sublayers = nn.ModuleList(SwiGLU(hidden, 64, tp, rank, g, dtype) for _ in range(2 * layers))
@@ -164,12 +168,23 @@ class UserHC(nn.Module):
         h = self.embed[ids].repeat(1, self.n)
         for index, (block, sublayer) in enumerate(zip(self.blocks, self.sublayers, strict=True)):
             if index == 2 * (self.conv_layer if self.conv_layer is not None else -1):
-                # causal depthwise conv over tokens on every stream: not row-local
-                conv = F.conv1d(F.pad(h.t().unsqueeze(0), (2, 0)), self.conv, groups=h.shape[-1])
-                h = h + conv[0].t()
+                h = h + self.token_window(h.t().unsqueeze(0))[0].t()
             x, inject = block(h)
             h = block.combine(h, sublayer(self.sublayer_input(index, x)), inject)
         return F.linear(self.final(h)[0], self.head)
+
+    def token_window(self, x: torch.Tensor) -> torch.Tensor:
+        """A depthwise conv over the tokens of every stream, ``x [1, n*S, T] -> [1, n*S, T]``, spelled as
+        ``WINDOWS`` lists: causal (row t reads rows t - 2 .. t) with a front zero pad or with the conv's own padding
+        and the first T outputs kept, or centred (row t reads rows t - 1 .. t + 1)."""
+        channels = x.shape[1]
+        if self.window == "front_pad":
+            return F.conv1d(F.pad(x, (2, 0)), self.conv, groups=channels)
+        if self.window == "own_padding":
+            return F.conv1d(x, self.conv, padding=2, groups=channels)[..., : x.shape[-1]]
+        if self.window == "centred":
+            return F.conv1d(F.pad(x, (1, 1)), self.conv, groups=channels)
+        raise ValueError(f"window must be one of {WINDOWS}, got {self.window!r}")
 
     def sublayer_input(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """What sub-layer ``index`` reads of its HC block's x (subclasses quantise it)."""

@@ -8,6 +8,9 @@ of the pass pipeline, :class:`AuditedManager` takes them before and after and ch
   gathers the rows a cache write stores, but never drops, adds or reorders one);
 - the collectives are the same multiset, except for what the SP record says it did: ``k`` all-reduces became
   reduce-scatters and ``g`` all-gathers were added, each with its ``wait_tensor``.
+
+SP's own runtime checks (``aten._assert_scalar`` with a message from ``hcpasses SP``: a token window's rows per rank
+with a symbolic token count) change no state and are not counted; every other assert is.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ def _is_rng(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+def _is_sp_check(node: fx.Node) -> bool:
+    return node.target is torch.ops.aten._assert_scalar.default and str(node.args[1]).startswith("hcpasses SP")
+
+
 @dataclasses.dataclass(frozen=True)
 class SideEffects:
     """A graph's side-effect nodes: the non-collective ones in graph order, the collectives counted by op."""
@@ -52,7 +59,7 @@ def side_effects(graph: fx.Graph) -> SideEffects:
             continue
         if is_collective(node.target):
             collectives[collective_name(node.target)] += 1
-        elif node.is_impure() or _is_rng(node.target):
+        elif (node.is_impure() or _is_rng(node.target)) and not _is_sp_check(node):
             ordered.append(str(node.target))
     return SideEffects(tuple(ordered), collectives)
 

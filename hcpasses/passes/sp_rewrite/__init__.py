@@ -119,7 +119,7 @@ class SPRewrite(GraphPass):
             return PassResult(
                 0, "every all-reduce sums over a group of size 1 (tp = 1): nothing to shard", tuple(notes)
             )
-        plan = find_regions(graph, collapses, reduces)
+        plan = find_regions(graph, collapses, reduces, config.sp_min_tokens)
         if not plan.regions:
             return PassResult(0, "no shardable region: " + "; ".join(map(str, plan.cuts)), tuple(notes))
         if isinstance(plan.tokens, int) and plan.tokens < config.sp_min_tokens:
@@ -162,16 +162,18 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         ]
     exits = [exit_ for region in plan.regions for exit_ in region.exits]
     streams = [exit_.value.name for exit_ in exits if exit_.stream_wide]
-    entries = sum(len(region.entries) for region in plan.regions)
+    entries = sorted({entry.operand.name for region in plan.regions for entry in region.entries})
+    halos = [f"{halo.pad.name} ({halo.rows} rows)" for region in plan.regions for halo in region.halos]
     return [
         *notes,
         *(f"region cut at {cut}" for cut in plan.cuts),
         f"HC blocks sharded: {sum(len(r.collapses) for r in plan.regions)} of {found} in {len(plan.regions)} region(s)",
         f"collectives: {sum(len(r.reduces) for r in plan.regions)} all-reduce -> reduce-scatter; "
-        f"{len(exits)} all-gathers added",
+        f"{len(exits) + len(halos)} all-gathers added",
         f"stream-wide values gathered (n*S wide, e.g. a returned HC state): {', '.join(streams) or 'none'}",
-        f"streams continue into another HC stack without a gather (e.g. an MTP drafter): "
-        f"{'yes' if entries else 'no'} ({entries} full-size term(s) sharded where they join)",
+        f"values from outside sharded where the region reads them row for row (an MTP drafter's embedding, "
+        f"features of the ids): {', '.join(entries) or 'none'}",
+        f"token windows fed by the rows of the ranks before (a causal conv's halo): {', '.join(halos) or 'none'}",
         *(f"rows per rank: ceil({plan.tokens}/{size})" for size in sorted({r.group.size for r in plan.regions})),
     ]
 
@@ -201,6 +203,7 @@ def _plan_facts(plan: Plan) -> dict[str, int]:
     exits = [exit_ for region in plan.regions for exit_ in region.exits]
     return {
         "streams_gathered": sum(exit_.stream_wide for exit_ in exits),
-        "entries_sharded": sum(len(region.entries) for region in plan.regions),
+        "entries_sharded": len({entry.operand for region in plan.regions for entry in region.entries}),
+        "halos": sum(len(region.halos) for region in plan.regions),
         "cuts": len(plan.cuts),
     }

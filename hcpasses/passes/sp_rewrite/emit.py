@@ -1,10 +1,12 @@
 """SP emission: rewrites one analysed region in place. Every check ran in the analysis (``region``), every size is
 resolved there, so the emitters only insert nodes and rewire uses; a rewrite that starts always finishes.
 
-The start and the full-size entries are sharded (a slice where a static N splits evenly, else
-``hcpasses::shard_rows``, which pads the last rank's rows), each all-reduce becomes pad +
-reduce-scatter, size arguments of reshapes take a shard's token dims (``Layout.sharded_sizes``), and every exit is
-all-gathered (FP8 as bytes; as FP8 with ``overlap``) and trimmed to the N rows. Row arithmetic is
+The start and the values read row for row from outside (entries) are sharded (a slice where a static N splits
+evenly, else ``hcpasses::shard_rows``, which pads the last rank's rows), each all-reduce becomes pad +
+reduce-scatter, size arguments of reshapes take a shard's token dims (``Layout.sharded_sizes``), a token window's
+front zero pad becomes the rows of the ranks before (one small all-gather of every rank's last rows), slices that
+kept every row are dropped, and every exit is all-gathered (FP8 as bytes; as FP8 with ``overlap``) and trimmed to
+the N rows. Row arithmetic is
 ``hcpasses.rows``'s, applied to ints or, for a symbolic N, to ``fx.Proxy`` values so that the same functions emit
 the graph's ``operator`` nodes.
 """
@@ -21,7 +23,7 @@ import torch.fx as fx
 
 from hcpasses.passes.sp_rewrite.collectives import WAIT, AllReduceMatch, c10d
 from hcpasses.passes.sp_rewrite.overlap import feed_gemms_untrimmed, gemm_of_partial, gemm_on_padded_rows
-from hcpasses.passes.sp_rewrite.region import SYM_SIZE, Exit, Region
+from hcpasses.passes.sp_rewrite.region import SYM_SIZE, Exit, Halo, Region
 from hcpasses.passes.sp_rewrite.tokens import Size, SizeOf
 from hcpasses.patterns.tracing import value_of
 from hcpasses.rows import pad_rows, rows_per_rank, shard_token_sizes
@@ -66,9 +68,17 @@ class _Emitter:
         for user in list(region.start.users):
             if user in region.nodes:
                 user.replace_input_with(region.start, shard)
-        for entry in region.entries:
-            with graph.inserting_before(entry.user):
-                entry.user.replace_input_with(entry.operand, self._shard(entry.operand))
+        shards: dict[fx.Node, fx.Node] = {}
+        for entry in region.entries:  # in graph order: one shard per value, before its first reader
+            if entry.operand not in shards:
+                with graph.inserting_before(entry.user):
+                    shards[entry.operand] = self._shard(entry.operand)
+            entry.user.replace_input_with(entry.operand, shards[entry.operand])
+        for halo in region.halos:
+            self._window(halo)
+        for node in region.identity_slices:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
         local = {match.wait: self._reduce_scatter(match) for match in region.reduces}
         for node, layout in region.reshapes:
             with graph.inserting_before(node):  # a symbolic R times a layout's factors: new nodes, before the use
@@ -114,6 +124,45 @@ class _Emitter:
         if k == 1:
             return rows
         return self.graph.call_function(aten.reshape.default, (rows, [*shard_token_sizes(self.rows, k), *rest]))
+
+    def _window(self, halo: Halo) -> None:
+        """``pad(x, rows zeros in front of dim)`` -> ``cat([the rows before this rank's, x], dim)``.
+
+        Every rank sends its last m rows, m = min(R, rows) (R when a static R is short of the reach: then the ranks
+        before hold whole shards), in one all-gather; rank r takes the ``rows`` rows that end at its first, from
+        the gathered ``r*m`` rows of the ranks before it, and zeros for rows before the sequence start (as the pad
+        had). With a symbolic R, m = rows: the analysis made sure R >= rows for every N the backend runs this graph
+        on (N >= sp_min_tokens), and the graph asserts it, so that a direct call with fewer tokens fails loudly."""
+        pad, dim, reach = halo.pad, halo.dim, halo.rows
+        x = pad.args[0]
+        ndim = value_of(x).dim()
+        m = min(self.rows, reach) if isinstance(self.rows, int) else reach
+        lead = [dim, *(d for d in range(ndim) if d != dim)]  # the collective gathers along dim 0
+        with self.graph.inserting_before(pad):
+            if not isinstance(self.rows, int):
+                enough = self.graph.call_function(operator.ge, (self.rows, reach))
+                why = f"hcpasses SP: a token window reaches {reach} rows back, more than this rank's rows"
+                self.graph.call_function(aten._assert_scalar.default, (enough, why))
+            begin = _node(_proxy(self.rows) - m)
+            tail = self.graph.call_function(aten.slice.Tensor, (x, dim, begin, self.rows))
+            rows_first = self.graph.call_function(aten.permute.default, (tail, lead))
+            contiguous = self.graph.call_function(
+                aten.clone.default, (rows_first,), {"memory_format": torch.contiguous_format}
+            )
+            gathered = self.graph.call_function(
+                c10d.all_gather_into_tensor.default, (contiguous, self.tp, self.region.group.arg)
+            )
+            tails = self.graph.call_function(WAIT, (gathered,))
+            stop = self.rank * m
+            start = max(0, stop - reach)
+            before = self.graph.call_function(aten.slice.Tensor, (tails, 0, start, stop))
+            if reach - (stop - start):  # zeros before the sequence start
+                zeros = [0, 0] * (ndim - 1) + [reach - (stop - start), 0]
+                before = self.graph.call_function(aten.constant_pad_nd.default, (before, zeros, 0.0))
+            in_place = self.graph.call_function(aten.permute.default, (before, [lead.index(d) for d in range(ndim)]))
+            window = self.graph.call_function(aten.cat.default, ([in_place, x], dim))
+        pad.replace_all_uses_with(window)
+        self.graph.erase_node(pad)
 
     def _reduce_scatter(self, match: AllReduceMatch) -> fx.Node:
         """``wait(all_reduce(partial))`` -> this rank's rows of the sum: pad to R*tp rows, reduce-scatter."""

@@ -3,8 +3,9 @@
 Reads the graph, never changes it. ``find_regions`` returns a frozen ``Plan``: the ``Region``s to shard, each
 with everything the emission (``emit``) needs already resolved (token dims of every value it touches, the sizes
 it must spell, the values to gather), and every cut (a ``NotShardable`` naming the node and why). The rules are
-those of the pass's docstring: every region node row-local (``rules``), every outside operand free of tokens (or
-a full-size term entering the streams), token dims the leading dims of each value (``tokens``).
+those of the pass's docstring: every region node row-local or a causal token window (``rules``), every outside
+operand free of tokens or read row for row (sharded where it is read), token dims the leading dims of each value
+that enters or leaves (``tokens``).
 """
 
 from __future__ import annotations
@@ -35,17 +36,30 @@ from hcpasses.passes.sp_rewrite.tokens import (
 from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.collapse import FoundCollapse
 from hcpasses.patterns.tracing import value_of
+from hcpasses.rows import rows_per_rank
 
+aten = torch.ops.aten
 SYM_SIZE = torch.ops.aten.sym_size.int
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A full-size term from outside added into the streams (``user = region_value + operand``): sharded there."""
+    """A value from outside that a pointwise region node reads row for row (``RowRules.read_by_rows``): sharded
+    there."""
 
     user: fx.Node
     operand: fx.Node
+
+
+@dataclasses.dataclass(frozen=True)
+class Halo:
+    """A causal token window's front zero pad (``pad``, ``rows`` rows in front of the token dim ``dim`` of its
+    sharded input): on a shard the rows of the ranks before take the zeros' place."""
+
+    pad: fx.Node
+    dim: int
+    rows: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +96,8 @@ class Region:
     dims: Mapping[fx.Node, int]
     reshapes: tuple[tuple[fx.Node, Layout], ...]  # region nodes whose size argument gets a shard's token dims
     token_size_reads: tuple[tuple[fx.Node, Size], ...]  # sym_size of a region value's token dim, and its value
+    halos: tuple[Halo, ...] = ()
+    identity_slices: tuple[fx.Node, ...] = ()  # slices that keep every row of a token dim: dropped on shards
 
     def __post_init__(self) -> None:
         groups = {match.group for match in self.reduces}
@@ -106,7 +122,9 @@ class Plan:
     tokens: Any
 
 
-def find_regions(graph: fx.Graph, collapses: list[FoundCollapse], reduces: Iterable[AllReduceMatch]) -> Plan:
+def find_regions(
+    graph: fx.Graph, collapses: list[FoundCollapse], reduces: Iterable[AllReduceMatch], min_tokens: int
+) -> Plan:
     """Every region to shard, block by block.
 
     A region starts at an HC block's stream value and takes the later blocks it can: a node that cannot run
@@ -114,7 +132,9 @@ def find_regions(graph: fx.Graph, collapses: list[FoundCollapse], reduces: Itera
     block after the node starts the next region. So does the first node that reads an all-reduce over another
     group than the region's earlier ones: a region shards over the one group its all-reduces sum over. A block
     whose stream value cannot be found, or after which no all-reduce feeds an HC block, starts none. One
-    unfamiliar piece costs only the blocks it touches.
+    unfamiliar piece costs only the blocks it touches. ``min_tokens``: the fewest tokens a sharded graph runs on
+    (with a symbolic count, the backend runs fewer unsharded): a token window needs as many rows per rank as it
+    reaches back.
     """
     reduces = tuple(reduces)
     order = node_order(graph)
@@ -123,7 +143,7 @@ def find_regions(graph: fx.Graph, collapses: list[FoundCollapse], reduces: Itera
         graph,
         [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)] + [m.all_reduce for m in reduces],
     )
-    builder = _RegionBuilder(graph, order, RowRules(tokens, carriers), reduces)
+    builder = _RegionBuilder(graph, order, RowRules(tokens, carriers), reduces, min_tokens)
     regions: list[Region] = []
     cuts: list[NotShardable] = []
     first, why_start = 0, "first HC block of the graph"
@@ -145,9 +165,15 @@ class _RegionBuilder:
     """Finds and checks candidate regions of one graph; every check returns its verdict, none raises."""
 
     def __init__(
-        self, graph: fx.Graph, order: dict[fx.Node, int], rules: RowRules, reduces: tuple[AllReduceMatch, ...]
+        self,
+        graph: fx.Graph,
+        order: dict[fx.Node, int],
+        rules: RowRules,
+        reduces: tuple[AllReduceMatch, ...],
+        min_tokens: int,
     ) -> None:
         self.graph, self.order, self.rules, self.reduces = graph, order, rules, reduces
+        self.min_tokens = min_tokens
 
     def longest_from(self, blocks: list[FoundCollapse], why_start: str) -> tuple[Region | None, NotShardable | None]:
         """The longest region starting at ``blocks[0]``'s stream value, and the cut that ended it (None when it
@@ -165,12 +191,18 @@ class _RegionBuilder:
                 return None, cut or NotShardable("no all-reduce feeds an HC block after this point", start)
             other = next((match for match in used if match.group != used[0].group), None)
             if other is not None:
-                cut, sinks = self._group_change(used[0].group, other, feeding)
+                new_cut, sinks = self._group_change(used[0].group, other, feeding)
             else:
                 region = self._region(blocks[:end], start, used, sinks, why_start)
                 if isinstance(region, Region):
                     return region, cut
-                cut, sinks = region, region.node.all_input_nodes
+                new_cut, sinks = region, region.node.all_input_nodes
+            # A retry that fails too says what it was for: the first refusal is the real reason.
+            cut = (
+                new_cut
+                if cut is None
+                else NotShardable(f"{new_cut.why}; the region was to end before {cut}", new_cut.node)
+            )
             # Keep the blocks before the failing node and run the region up to it: each retry fails, if at all,
             # at a node before this one (the failing node is in the region), so the loop ends.
             end = sum(1 for c in blocks[:end] if self.order[c.root] < self.order[cut.node])
@@ -248,7 +280,7 @@ class _RegionBuilder:
 
     def _check(self, node: fx.Node, layouts: dict[fx.Node, Layout], entries: list[Entry]) -> NotShardable | None:
         """``node`` runs on row shards: its layout follows from its region operands' (``layouts``, filled in
-        graph order), and every operand from outside carries no tokens or is a term entering the streams."""
+        graph order), and every operand from outside carries no tokens or is read row for row (an ``Entry``)."""
         layout = self.rules.layout(node, layouts)
         if isinstance(layout, NotShardable):
             return layout
@@ -257,7 +289,7 @@ class _RegionBuilder:
             for operand in tensor_operands(arg):
                 if operand in layouts:
                     continue
-                if self.rules.enters_streams(node, operand, layouts):
+                if self.rules.read_by_rows(node, operand, layouts):
                     entries.append(Entry(node, operand))
                     continue
                 verdict = self.rules.check_operand(node, position, operand, layout)
@@ -308,6 +340,12 @@ class _RegionBuilder:
                 if size is None:
                     return NotShardable(f"token size {value_of(node)} is neither N nor one of the start's sizes", node)
                 reads.append((node, size))
+        halos = self._halos(nodes, layouts, reduces[0].group.size)
+        if isinstance(halos, NotShardable):
+            return halos
+        identity_slices = tuple(
+            node for node in nodes if node.target is aten.slice.Tensor and layouts[node].holds(_slice_dim(node))
+        )
         read_nodes = {node for node, _ in reads}
         exits = []
         stream_width = math.prod(value_of(start).shape[dims[start] :])
@@ -341,7 +379,35 @@ class _RegionBuilder:
             dims=dims,
             reshapes=tuple((node, layouts[node]) for node in nodes if node.target in SIZE_OPS),
             token_size_reads=tuple(reads),
+            halos=halos,
+            identity_slices=identity_slices,
         )
+
+    def _halos(
+        self, nodes: frozenset[fx.Node], layouts: Mapping[fx.Node, Layout], tp: int
+    ) -> tuple[Halo, ...] | NotShardable:
+        """The token windows' front pads. Each rank's halo comes from the ranks before it: the last min(R, rows)
+        rows of each (static N), or the last ``rows`` rows (symbolic N: a static gather size), which every rank
+        holds only when R >= rows for every N the sharded graph runs on (N >= ``min_tokens``)."""
+        halos = []
+        for node in sorted(nodes, key=self.order.__getitem__):
+            layout = layouts[node]
+            if node.target is aten.constant_pad_nd.default and layout.halo and not layouts[node.args[0]].halo:
+                halos.append(Halo(node, layout.first, layout.halo))
+                fewest = rows_per_rank(self.min_tokens, tp)
+                if not isinstance(self.rules.tokens, int) and fewest < layout.halo:
+                    why = (
+                        f"a token window {layout.halo} rows back needs as many rows per rank; with a symbolic "
+                        f"token count, sharded graphs run from sp_min_tokens={self.min_tokens} tokens: {fewest} "
+                        f"rows at tp {tp}"
+                    )
+                    return NotShardable(why, node)
+        return tuple(halos)
+
+
+def _slice_dim(node: fx.Node) -> int:
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return dim % value_of(node).dim()
 
 
 def _is_integer_tensor(node: fx.Node) -> bool:

@@ -3,7 +3,9 @@ their results hold the tokens (``Layout``).
 
 A region node's layout follows from its region operands' layouts by what the op does (``RowRules.layout``): a
 pointwise op keeps its operands' (which must agree), a reduction or a dim op shifts it, a reshape regroups it
-(``reshaped_layout``), a ``cat`` of per-stream values along their token dim stacks them (``outer``). Every check
+(``reshaped_layout``), a ``cat`` of per-stream values along their token dim stacks them (``outer``), a causal
+token window (a front zero pad of the token dim read by a depthwise-style ``convolution`` that reaches exactly that
+far back) takes ``halo`` rows from the ranks before. Every check
 returns a ``NotShardable`` naming the node the region must not reach (the checked node, or the operand whose layout
 breaks it) and why. Op knowledge is a table (``OP_RULES``); ops not in it are row-local when they are elementwise,
 pointwise-tagged or the fused collapse ops. The values a region shards, reduce-scatters or gathers lead with their
@@ -12,6 +14,7 @@ tokens (``check_leading``).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -47,7 +50,7 @@ DIM_OPS = {  # op -> (position of its dim argument, default dim)
 }
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 ELEMENTWISE = {prims.convert_element_type.default, aten.clone.default, aten._to_copy.default}
-ENTERS_STREAMS = (aten.add.Tensor, aten.sub.Tensor)
+CONVOLUTION = aten.convolution.default
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 Layouts = Mapping[fx.Node, Layout]
 
@@ -81,6 +84,10 @@ class RowRules:
     def layout(self, node: fx.Node, layouts: Layouts) -> Layout | NotShardable:
         """Where ``node``'s results hold the tokens, from the ``layouts`` of its region operands; a
         ``NotShardable`` where it cannot run on row shards."""
+        haloed = [arg for arg in tensor_operands(node.args) if arg in layouts and layouts[arg].halo]
+        if haloed and node.target not in (aten.slice.Tensor, CONVOLUTION):
+            why = f"reads {haloed[0].name}, which holds {layouts[haloed[0]].halo} rows before its tokens for a conv"
+            return NotShardable(why, node)
         rule = OP_RULES.get(node.target)
         if rule is not None:
             source = _source(node)
@@ -89,9 +96,7 @@ class RowRules:
             layout = self._item(node, layouts)
         elif node.target in FUSED_COLLAPSES:
             layout = self._per_token(node, layouts)
-        elif node.target in ELEMENTWISE or (
-            isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
-        ):
+        elif _is_pointwise(node):
             layout = self._broadcast(node, layouts)
         else:
             return NotShardable("not known to be row-local", node)
@@ -136,28 +141,33 @@ class RowRules:
                 return NotShardable(f"reads {operand.name}, which does not lead with the tokens", node)
         return leading_layout(first_tensor(value_of(node)), self.tokens) or _no_tokens_in(self, node)
 
-    def enters_streams(self, node: fx.Node, operand: fx.Node, layouts: Layouts) -> bool:
-        """Whether ``operand`` is a full-size term added into the streams, e.g. an MTP drafter's projected
-        next-token embedding: ``streams = norm(state) + e``. Streams that reach an HC block are replicated
-        (DESIGN §3) and so is the region's term, hence so is ``e``: its token rows can be sharded."""
-        if node.target not in ENTERS_STREAMS or node not in layouts:
+    def read_by_rows(self, node: fx.Node, operand: fx.Node, layouts: Layouts) -> bool:
+        """Whether a pointwise region node reads ``operand``, a value from outside that leads with its tokens, row
+        for row: its token dims line up with the node's (broadcasting aligns from the right) and are not broadcast.
+        Then this rank's rows of ``operand`` are all the node needs, and the region shards it where it reads it:
+        an MTP drafter's projected next-token embedding (``streams = norm(state) + e``), a PLE's features of the
+        token ids (``gate = key(ids) * query(streams)``), the result of a piece the region was cut around.
+
+        Sound whatever ``operand`` is: the values a region passes on (the streams, the gathered sub-layer
+        inputs, the exits) are replicated across the group (DESIGN §3), so they are the same whichever rank's
+        copy of ``operand`` computed which rows."""
+        if node not in layouts or not _is_pointwise(node) or layouts[node].halo:
             return False
-        val, out = value_of(operand), value_of(node)
-        return (
-            token_dims(val, self.tokens) is not None
-            and layouts[node].leading_dims(out.shape) is not None
-            and val.is_floating_point()
-            and val.dim() == out.dim()
-            and all(same_size(a, b) for a, b in zip(val.shape, out.shape, strict=True))
-        )
+        val, out = value_of(operand), first_tensor(value_of(node))
+        lead = leading_layout(val, self.tokens)
+        offset = out.dim() - val.dim() if isinstance(out, torch.Tensor) else -1
+        if lead is None or offset < 0:
+            return False
+        aligned = all(same_size(val.shape[d], out.shape[d + offset]) for d in range(lead.first, lead.end))
+        return aligned and normalized(lead.shifted(offset), out.shape) == layouts[node]
 
     def check_operand(self, node: fx.Node, position: int, operand: fx.Node, layout: Layout) -> NotShardable | None:
         """An operand from outside the region, read by a node that holds its tokens as ``layout``: it must carry
         no tokens (a weight or constant broadcast over the rows, or the right-hand side of a GEMM)."""
         if operand in self.token_carriers:
             return NotShardable(f"reads {operand.name}, which carries tokens but is not in the region", node)
-        if node.target is aten.mm.default and position == 1:
-            return None  # the right-hand side of a GEMM: used whole by every row
+        if (node.target is aten.mm.default and position == 1) or (node.target is CONVOLUTION and position in (1, 2)):
+            return None  # the right-hand side of a GEMM, a conv's weight and bias: used whole by every row
         val, out = value_of(operand), first_tensor(value_of(node))
         # Broadcasting aligns dims from the right: the operand's dims under the token dims must be 1.
         offset = out.dim() - val.dim()
@@ -165,6 +175,12 @@ class RowRules:
         if offset < 0 or not all(same_size(size, 1) for size in under_tokens):
             return NotShardable(f"operand {operand.name} {tuple(val.shape)} is not broadcast over the tokens", node)
         return None
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    return node.target in ELEMENTWISE or (
+        isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+    )
 
 
 def _no_tokens_in(rules: RowRules, node: fx.Node) -> NotShardable:
@@ -213,9 +229,16 @@ def _along_dim(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts)
             return NotShardable(f"works along dim {dim}, a token dim", node)
         return layout.shifted(1) if dim <= layout.first else layout
     if layout.holds(dim):
+        if _is_identity_slice(node, dim):
+            return layout  # the emission drops it: on a shard it would cut the rows to the unsharded bounds
         return NotShardable(f"works along dim {dim}, a token dim", node)
     removed = node.target is aten.select.int or (node.target is aten.squeeze.dim and same_size(source.shape[dim], 1))
     return layout.shifted(-1) if removed and dim < layout.first else layout
+
+
+def _is_identity_slice(node: fx.Node, dim: int) -> bool:
+    """A slice that keeps every row of its dim (``x[..., -(halo + T):]`` of a value with halo + T rows)."""
+    return node.target is aten.slice.Tensor and same_size(value_of(node.args[0]).shape[dim], value_of(node).shape[dim])
 
 
 def _cat(node: fx.Node, dim: int, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
@@ -267,13 +290,49 @@ def _bmm(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> La
 
 def _pad(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
     """A constant pad of the dims under the tokens keeps each row's values in its row: Inductor's ``pad_mm``
-    (CUDA only) writes one on each operand of a GEMM whose K or N is not a multiple of 8 (bf16) / 4 (fp32)."""
+    (CUDA only) writes one on each operand of a GEMM whose K or N is not a multiple of 8 (bf16) / 4 (fp32).
+    Zero rows in front of the one token dim, and nothing else, are a causal token window's halo: on a shard the
+    emission puts the rows of the ranks before there (zeros before the sequence start, as the pad)."""
     pads = node.args[1]  # (before, after) pairs from the last dim backwards
     ndim = value_of(node.args[0]).dim()
-    padded = [ndim - 1 - i // 2 for i, size in enumerate(pads) if not (isinstance(size, int) and size == 0)]
-    if any(layout.holds(dim) for dim in padded):
-        return NotShardable("pads a token dim", node)
-    return layout
+    # (dim, 0 before / 1 after) of every non-zero pad
+    padded = [(ndim - 1 - i // 2, i % 2) for i, size in enumerate(pads) if not (isinstance(size, int) and size == 0)]
+    if not any(layout.holds(dim) for dim, _ in padded):
+        return layout
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0.0)
+    front = pads[2 * (ndim - 1 - layout.first)]
+    if padded != [(layout.first, 0)] or value != 0 or layout.end - layout.first > 1 or layout.halo:
+        return NotShardable("pads a token dim (other than with zero rows in front of its one token dim)", node)
+    if layout.outer != 1 or layout.inner != 1 or not isinstance(front, int):
+        return NotShardable(f"pads the token dim of {layout} by {front} rows", node)
+    return dataclasses.replace(layout, halo=front)
+
+
+def _convolution(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
+    """A 1-D convolution along the token dim, stride 1 and no padding of its own, over ``halo`` rows in front
+    of the tokens that are exactly its reach, ``(kernel - 1) * dilation``: output row t reads input rows t - halo
+    to t, each of its batch (a PLE's or a short conv's depthwise causal conv: ``conv1d(pad(x, (reach, 0)))``)."""
+    _, weight, _, stride, padding, dilation, transposed, _, _ = node.args
+    reach = (value_of(weight).shape[-1] - 1) * dilation[0]
+    if value_of(node.args[0]).dim() != 3 or (layout.first, layout.end) != (2, 3):
+        return NotShardable(f"a convolution whose input holds its tokens as {layout}, not in its one spatial dim", node)
+    if transposed or list(stride) != [1] or list(padding) != [0]:
+        return NotShardable("a convolution along the tokens with a stride, a padding of its own or transposed", node)
+    if layout.halo != reach:
+        why = f"a convolution reaching {reach} rows back over {layout.halo} halo rows (a causal window: both equal)"
+        return NotShardable(why, node)
+    return dataclasses.replace(layout, halo=0)
+
+
+def _repeat(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
+    """Tiling along the dims under the tokens (``conv_out.repeat(1, n)``: one copy per stream) keeps each row's
+    values in its row; new dims come in front."""
+    repeats = node.args[1]
+    added = len(repeats) - value_of(node.args[0]).dim()
+    shifted = layout.shifted(added)
+    if any(shifted.holds(d) and not (isinstance(r, int) and r == 1) for d, r in enumerate(repeats)):
+        return NotShardable("repeats along a token dim", node)
+    return normalized(shifted, value_of(node).shape)
 
 
 OP_RULES: dict[Any, Callable[[RowRules, fx.Node, Layout, Layouts], Layout | NotShardable]] = {
@@ -284,4 +343,6 @@ OP_RULES: dict[Any, Callable[[RowRules, fx.Node, Layout, Layouts], Layout | NotS
     aten.mm.default: _mm,
     aten.bmm.default: _bmm,
     aten.constant_pad_nd.default: _pad,
+    CONVOLUTION: _convolution,
+    aten.repeat.default: _repeat,
 }

@@ -53,18 +53,21 @@ class Layout:
     front): ``Layout(1, 2)``; ``[n*T, S]`` (a ``cat`` of per-stream ``[T, S]`` values): ``Layout(0, 1, outer=n)``;
     ``[T*S, 1, n]`` (a per-token bmm's batch, an einsum): ``Layout(0, 1, inner=S)``. ``outer`` and ``inner`` are
     static. A shard holds the same with R tokens: its dims ``[first, end)`` are ``[1, ..., 1, outer*R*inner]``
-    (``sharded_sizes``), every other dim unchanged.
+    (``sharded_sizes``), every other dim unchanged. ``halo`` rows come before the tokens in their one dim where a
+    causal token window (a depthwise conv) reads them: ``[1, C, halo + T]`` after its front zero pad,
+    ``Layout(2, 3, halo=9)``; on a shard they are the rows of the ranks before (``rules``, ``emit``).
     """
 
     first: int
     end: int
     outer: int = 1
     inner: int = 1
+    halo: int = 0
 
     def leading_dims(self, shape: Sequence[Any]) -> int | None:
         """How many leading dims hold exactly the tokens (``[1, ..., tokens..., rest]``), or None: the layout the
         values a region shards, reduce-scatters or gathers must have."""
-        plain = self.outer == self.inner == 1 and all(same_size(size, 1) for size in shape[: self.first])
+        plain = self.outer == self.inner == 1 and not self.halo and all(same_size(s, 1) for s in shape[: self.first])
         return self.end if plain else None
 
     def shifted(self, by: int) -> Layout:
@@ -76,7 +79,7 @@ class Layout:
     def matches(self, shape: Sequence[Any], tokens: Any) -> bool:
         """Whether a value of ``shape`` can hold its tokens so: its dims ``[first, end)`` multiply to outer*N*inner."""
         return 0 <= self.first < self.end <= len(shape) and same_size(
-            math.prod(shape[self.first : self.end]), self.outer * tokens * self.inner
+            math.prod(shape[self.first : self.end]), self.outer * (tokens + self.halo) * self.inner
         )
 
     def sharded_sizes(self, sizes: Sequence[Any], rows: Any) -> list[Any]:
