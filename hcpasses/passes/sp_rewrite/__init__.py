@@ -33,19 +33,30 @@ How the region is found:
   argument is rewritten to the shard's (``[n, R, S]``, ``[R*S, 1, n]``).
 - Every region node must be row-local (pointwise, reductions and dim ops away from the token dims,
   views, permutes that keep the token dims together and in order, a ``cat`` of per-stream values,
-  ``mm`` with a weight, ``bmm`` batched over tokens, the fused collapse ops), and every operand from
-  outside the region must carry no tokens: a weight or constant broadcast over rows, or the right-hand
-  side of a GEMM. An ``mm`` is row-local whatever its weight (an HC weight, replicated by construction, or a TP
-  shard of a projection reading the streams): row i of ``x @ W`` reads row i of x only.
-- A full-size term added into the streams from outside (an MTP drafter's projected next-token embedding,
-  ``streams = norm(state) + e``) is sharded where it joins: streams are replicated, so is the term. So a
-  target's HC state flows into its drafter still sharded when both are in one graph.
-- Regions are cut block by block: a node that fails a check (e.g. the PLE conv over tokens, or a block
+  ``mm`` with a weight, ``bmm`` batched over tokens, the fused collapse ops, a causal token window), and every
+  operand from outside the region must carry no tokens (a weight or constant broadcast over rows, the right-hand
+  side of a GEMM, a conv's weight) or be read row for row. An ``mm`` is row-local whatever its weight (an HC
+  weight, replicated by construction, or a TP shard of a projection reading the streams): row i of ``x @ W``
+  reads row i of x only.
+- A value from outside that a pointwise region node reads row for row (same token dims, not broadcast) is
+  sharded where it is read: an MTP drafter's projected next-token embedding (``streams = norm(state) + e``: a
+  target's HC state flows into its drafter still sharded when both are in one graph), a PLE's features of the
+  token ids. Sound whatever the value is: what the region passes on is replicated (DESIGN §3), the same
+  whichever rank's copy computed which rows.
+- A causal token window, a front zero pad of the one token dim read by a stride-1 ``convolution`` (no padding
+  of its own) that reaches exactly that far back (a PLE's or a short conv's ``conv1d(pad(x, (k-1)*d, 0))``),
+  runs on the shard: the pad becomes the rows of the ranks before (one all-gather of every rank's last
+  min(R, reach) rows; zeros before the sequence start)::
+
+      x[R rows] -> all_gather(last rows) -> rows before rank r -> cat(before, x)[reach + R] -> conv -> [R rows]
+
+  With a symbolic T only where every rank holds >= reach rows for T >= ``sp_min_tokens`` (the graph asserts it).
+- Regions are cut block by block: a node that fails a check (e.g. a conv with its own padding, or a block
   whose norm the analysis cannot read) ends the region before it, the values it reads are gathered
   there, and the next HC block after it starts a new region. So one unfamiliar piece costs only the
   blocks it touches; the report lists every cut with its node and reason::
 
-      h -> [HC blocks, sharded] -> all_gather(h) -> PLE conv (full rows) -> shard_rows -> [HC blocks, sharded]
+      h -> [HC blocks, sharded] -> all_gather(h) -> unknown op (full rows) -> shard_rows -> [HC blocks, sharded]
 
 Groups: a region shards over the group of the all-reduces it replaces, whichever group that is (the default one,
 or a TP group a DP x TP job made with ``dist.new_group``): rank r and tp above are this process's rank in that
