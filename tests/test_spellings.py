@@ -2,10 +2,10 @@
 
 Hypothesis draws, per HC block, the grouped norm, the stream collapse and the sub-layer input quant (or none), and
 per model the dtype, tp (1, 2, 4 or 8; 8, the usual TP of one node, most often: one trace gives 8 graphs), the
-layer count, where a non-row-local op sits (a causal conv over tokens before a layer, or none) and T (1, below tp,
-ragged, a multiple of tp, up to 300). Each example checks the exact counts of both passes in the graph and in the
-report, the SP graph against the same graph with SP off (exact but for last-bit roundings, which move at most one
-token row), and the whole model against eager.
+layer count, where a causal conv over tokens sits (before a layer: a token window with a halo, or none) and T (1,
+below tp, ragged, a multiple of tp, up to 300). Each example checks the exact counts of both passes in the graph and
+in the report, the SP graph against the same graph with SP off (exact but for last-bit roundings, which move at most
+one token row), and the whole model against eager.
 """
 
 from __future__ import annotations
@@ -98,13 +98,15 @@ def test_every_block_spelling_is_sharded_and_fused(data: st.DataObject, checked_
     rewrites = sum(canonical_rewrites(block, dtype) for block in [*blocks, final])
     assert report.applied["canonical_forms"] == rewrites, report.record("canonical_forms").notes
     sp = report.record("sp_rewrite")
-    cut = conv_layer is not None and conv_layer > 0  # a conv before the first block reads unsharded values
+    # a conv after a sharded block runs on the shards and the rows before them (a halo); before the first block it
+    # reads unsharded values
+    window = conv_layer is not None and conv_layer > 0
     if tp == 1:
         assert sp.status != "applied" and collective_counts(graph) == dict.fromkeys(collective_counts(graph), 0)
     else:
         assert sp.status == "applied" and sp.applied == len(blocks) + 1, report
-        assert sp.facts.get("cuts", 0) == cut, sp.notes
-        gathers = sum(2 if block.fuses else 1 for block in blocks) + 1 + cut  # x or (q, scale); final; conv
+        assert (sp.facts.get("cuts", 0), sp.facts.get("halos", 0)) == (0, window), sp.notes
+        gathers = sum(2 if block.fuses else 1 for block in blocks) + 1 + window  # x or (q, scale); final; halo
         want = {"all_reduce": 0, "reduce_scatter": len(blocks), "all_gather": gathers}
         assert collective_counts(graph) == want, sp.notes
 

@@ -269,9 +269,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="sp_pads_of_token_rows_are_row_local",
         fault="SP takes every constant pad as row-local, also one that shifts the token rows",
         file="hcpasses/passes/sp_rewrite/rules.py",
-        old="""    if any(layout.holds(dim) for dim in padded):
+        old="""    if not any(layout.holds(dim) for dim, _ in padded):
 """,
-        new="""    if any(layout.holds(dim) for dim in padded) and False:  # "a pad keeps the values where they are"
+        new="""    if True:  # "a pad keeps the values where they are"
 """,
         tests=("tests/test_spellings.py",),
         k="shifts_token_rows",
@@ -321,5 +321,38 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         tests=("tests/test_sp_overlap.py",),
         k="ragged",
+    ),
+    Mutant(
+        name="halo_from_own_rows",
+        fault="a token window's halo takes the gathered rows of this rank (its own last rows), not the ranks' before",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""            stop = self.rank * m
+""",
+        new="""            stop = (self.rank + 1) * m  # "rank r's rows end at (r + 1) * m"
+""",
+        tests=("tests/test_sp_windows.py",),
+        k="causal",
+    ),
+    Mutant(
+        name="halo_assumes_long_shards",
+        fault="a static R shorter than the window's reach still sends the last reach rows (wrapping into the shard)",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""        m = min(self.rows, reach) if isinstance(self.rows, int) else reach
+""",
+        new="""        m = reach  # "shards are always longer than a conv's reach"
+""",
+        tests=("tests/test_sp_windows.py",),
+        k="causal",
+    ),
+    Mutant(
+        name="symbolic_window_without_enough_rows",
+        fault="with a symbolic T a token window is sharded where sp_min_tokens leaves ranks fewer rows than its reach",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""                if not isinstance(self.rules.tokens, int) and fewest < layout.halo:
+""",
+        new="""                if not isinstance(self.rules.tokens, int) and fewest < 0:  # "the backend runs small T"
+""",
+        tests=("tests/test_sp_windows.py",),
+        k="symbolic",
     ),
 )
