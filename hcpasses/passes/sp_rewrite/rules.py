@@ -300,9 +300,9 @@ def _pad(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> La
     if not any(layout.holds(dim) for dim, _ in padded):
         return layout
     value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0.0)
-    front = pads[2 * (ndim - 1 - layout.first)]
     if padded != [(layout.first, 0)] or value != 0 or layout.end - layout.first > 1 or layout.halo:
         return NotShardable("pads a token dim (other than with zero rows in front of its one token dim)", node)
+    front = pads[2 * (ndim - 1 - layout.first)]
     if layout.outer != 1 or layout.inner != 1 or not isinstance(front, int):
         return NotShardable(f"pads the token dim of {layout} by {front} rows", node)
     return dataclasses.replace(layout, halo=front)
