@@ -2,7 +2,8 @@
 rank's rows and the rows before them (``Layout.halo``), fetched by one small all-gather, instead of cutting the
 region. Spellings it cannot shard (the conv's own padding, a centred window) cut the region with their reason and
 stay exact; with a symbolic token count the window is sharded only where ``sp_min_tokens`` leaves every rank as
-many rows as the window reaches back, and the graph asserts it."""
+many rows as the window reaches back, and the graph asserts it. A front pad of seq in a ``[batch, seq]`` batch is
+no window of the flattened rows: it cuts the region."""
 
 from __future__ import annotations
 
@@ -107,3 +108,20 @@ def test_a_symbolic_token_count_below_the_reach_cuts_the_region_at_the_window() 
     assert "sp_min_tokens=2 tokens: 1 rows at tp 2" in cut, cut
     for tokens in (2, 5):
         assert_exact(sharded, tokens, "front_pad")
+
+
+def test_a_front_pad_of_seq_in_a_batch_is_no_window_and_cuts_the_region() -> None:
+    """``[batch, seq]`` tokens: padding seq in front (``h + 0.5 * pad(h)[:, :-1]``, each token plus its
+    predecessor) starts every sequence with zeros, so it is no window of the flattened token rows: the region is
+    cut there with the pad's reason (not an error: a [batch, seq] pad once raised and rolled SP back), the blocks
+    on both sides stay sharded, and the values are SP off's."""
+    from test_sp_batched import captured_at, run
+
+    sharded = captured_at((2, 1, False, False, False), (2, 7))  # tp 2, the shift starts layer 1, static
+    sp = sharded.report.record("sp_rewrite")
+    assert sp.status == "applied" and sp.applied == 2 * LAYERS + 1 and sp.facts["halos"] == 0, sp.notes
+    [cut] = [note for note in sp.notes if note.startswith("region cut at")]
+    assert "pads a token dim (other than with zero rows in front of its one token dim)" in cut, cut
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    for got, want in zip(run(sharded, ids), run(sharded.sp_off(), ids), strict=True):
+        assert_same_as_sp_off(got, want)
