@@ -102,3 +102,40 @@ def test_two_gloo_ranks_compile_qwen4_exp_with_sp() -> None:
         torch.testing.assert_close(result["logits"], expected, atol=2e-2, rtol=2e-2)  # FP8, see above
         assert len(result["reports"]) == 1, result["reports"]
         assert result["sp"]["sp_rewrite"] == 3 and result["sp"]["gated_mean_quant"] == 2, result["reports"]
+
+
+# Two GatedDeltaNet layers, the PLE in the second (inside the region: after two HC blocks), one sequence.
+PLE_INSIDE = {"num_hidden_layers": 2, "layer_types": ["linear_attention"] * 2, "ple_layer_ids": [2]}
+
+
+@pytest.mark.parametrize("tokens", [16, 13])  # even and ragged at tp 2 (its heads do not split 3 or 4 ways)
+def test_qwen4_exp_ple_runs_on_the_shards(tokens: int) -> None:
+    """The PLE after HC blocks: its n-gram embedding lookup, key and value projections and their norm run on this
+    rank's rows (hoisted from the ids), its conv on them and the 9 rows before (a halo), and the streams are never
+    gathered; the logits are SP off's and eager's (one sequence: its tokens are the token rows)."""
+    ids, tp = torch.randint(128, (1, tokens), generator=torch.Generator().manual_seed(tokens)), 2
+
+    def build_ple(rank: int | None = None, size: int | None = None) -> torch.nn.Module:
+        model = FAMILIES["qwen4_exp"](**PLE_INSIDE)
+        if size is not None:
+            shard_for_tp(model, rank, size)
+        return model
+
+    graphs = capture_with_passes(
+        lambda rank, size: Logits(build_ple(rank, size)),
+        lambda rank, size: (ids,),
+        tp,
+        HCPassesConfig(sp_min_tokens=1),
+        codegen=False,
+    )
+    sp = graphs.report.record("sp_rewrite")
+    assert sp.status == "applied" and sp.applied == 5, graphs.report  # 2 HC blocks per layer and the final mixer
+    assert (sp.facts["cuts"], sp.facts["halos"], sp.facts["streams_gathered"]) == (0, 1, 0), sp.notes
+    assert sp.facts["hoisted"] > 0, sp.notes
+    outputs = simulate(graphs.graphs, graphs.inputs)
+    unsharded = graphs.sp_off()
+    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want)
+    expected = logits(build_ple(), ids)
+    for (actual,) in outputs:
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)

@@ -43,6 +43,10 @@ How the region is found:
   target's HC state flows into its drafter still sharded when both are in one graph), a PLE's features of the
   token ids. Sound whatever the value is: what the region passes on is replicated (DESIGN §3), the same
   whichever rank's copy computed which rows.
+- Features of the token ids that only the region reads (descendants of integer inputs, after the region start:
+  a PLE's n-gram embedding lookup, its key and value projections and their norm) are computed on this rank's
+  rows instead of all T (``region._hoistable``): the values they read from outside are sharded where read (the
+  hashed id window, a slice of replicated ids). A hoisted node the checks refuse goes back to all rows.
 - A causal token window, a front zero pad of the one token dim read by a stride-1 ``convolution`` (no padding
   of its own) that reaches exactly that far back (a PLE's or a short conv's ``conv1d(pad(x, (k-1)*d, 0))``),
   runs on the shard: the pad becomes the rows of the ranks before (one all-gather of every rank's last
@@ -185,6 +189,7 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         f"values from outside sharded where the region reads them row for row (an MTP drafter's embedding, "
         f"features of the ids): {', '.join(entries) or 'none'}",
         f"token windows fed by the rows of the ranks before (a causal conv's halo): {', '.join(halos) or 'none'}",
+        f"nodes computing features of the token ids moved onto the shards: {sum(r.hoisted for r in plan.regions)}",
         *(f"rows per rank: ceil({plan.tokens}/{size})" for size in sorted({r.group.size for r in plan.regions})),
     ]
 
@@ -216,5 +221,6 @@ def _plan_facts(plan: Plan) -> dict[str, int]:
         "streams_gathered": sum(exit_.stream_wide for exit_ in exits),
         "entries_sharded": len({entry.operand for region in plan.regions for entry in region.entries}),
         "halos": sum(len(region.halos) for region in plan.regions),
+        "hoisted": sum(region.hoisted for region in plan.regions),
         "cuts": len(plan.cuts),
     }

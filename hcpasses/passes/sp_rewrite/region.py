@@ -98,6 +98,7 @@ class Region:
     token_size_reads: tuple[tuple[fx.Node, Size], ...]  # sym_size of a region value's token dim, and its value
     halos: tuple[Halo, ...] = ()
     identity_slices: tuple[fx.Node, ...] = ()  # slices that keep every row of a token dim: dropped on shards
+    hoisted: int = 0  # nodes on features of the token ids that run on the shards instead of all rows
 
     def __post_init__(self) -> None:
         groups = {match.group for match in self.reduces}
@@ -174,6 +175,7 @@ class _RegionBuilder:
     ) -> None:
         self.graph, self.order, self.rules, self.reduces = graph, order, rules, reduces
         self.min_tokens = min_tokens
+        self.from_ids = descendants(graph, [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)])
 
     def longest_from(self, blocks: list[FoundCollapse], why_start: str) -> tuple[Region | None, NotShardable | None]:
         """The longest region starting at ``blocks[0]``'s stream value, and the cut that ended it (None when it
@@ -233,18 +235,59 @@ class _RegionBuilder:
         """The region from ``start`` to the ``collapses`` and to ``sinks`` (the inputs of the node that cuts it:
         the region runs up to that node, which reads them gathered), checked node by node."""
         live = [start, *(m.wait for m in reduces)]  # values the region reads in full (start) or replaces (waits)
-        nodes = self._reach(collapses, live, sinks)
-        layouts: dict[fx.Node, Layout] = {}
-        entries: list[Entry] = []
-        verdicts = itertools.chain(  # lazy: the first refusal is the region's, in this order
-            (self._check_live(node, layouts) for node in live),
-            (self._check(node, layouts, entries) for node in sorted(nodes, key=self.order.__getitem__)),
-            (self._check_partial_sum(match, nodes) for match in reduces),
-        )
-        verdict = next((verdict for verdict in verdicts if verdict), None)
+        reached = self._reach(collapses, live, sinks)
+        hoisted = self._hoistable(reached, live)
+        while True:
+            nodes = reached | hoisted
+            sources = self._sources(hoisted, nodes)
+            layouts: dict[fx.Node, Layout] = {}
+            entries = [Entry(user, source) for source in sources for user in source.users if user in nodes]
+            verdicts = itertools.chain(  # lazy: the first refusal is the region's, in this order
+                (self._check_live(node, layouts) for node in [*live, *sources]),
+                (self._check(node, layouts, entries) for node in sorted(nodes, key=self.order.__getitem__)),
+                (self._check_partial_sum(match, nodes) for match in reduces),
+            )
+            verdict = next((verdict for verdict in verdicts if verdict), None)
+            dropped = _unhoisted(verdict, hoisted) if verdict else set()
+            if not dropped:
+                break
+            hoisted -= dropped  # computed on all rows again; each retry drops at least one node, so the loop ends
         if verdict:
             return verdict
-        return self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts)
+        entries.sort(key=lambda entry: self.order[entry.user])
+        region = self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts)
+        return dataclasses.replace(region, hoisted=len(hoisted)) if isinstance(region, Region) else region
+
+    def _hoistable(self, region: set[fx.Node], live: list[fx.Node]) -> set[fx.Node]:
+        """Nodes outside ``region`` that compute features of the token ids (descendants of integer inputs) for it
+        alone: every user is in the region or hoisted, and the value leads with its tokens. Run on this rank's
+        rows instead of all (a PLE's key and value projections of its n-gram embedding, and their norm), their
+        inputs from outside sharded where they read them (``_sources``). Ids are replicated, so is what they
+        feed. Only nodes after the start (``live[0]``; their shards need the row count, computed from it), never a
+        collective. Nodes the checks refuse are dropped again (``_unhoisted``)."""
+        inside = region | set(live)
+        hoisted: set[fx.Node] = set()
+        for node in reversed(self.graph.nodes):  # users before producers
+            if self.order[node] <= self.order[live[0]]:
+                break
+            if node in inside or node not in self.from_ids or node.op != "call_function" or _is_collective(node):
+                continue
+            val = value_of(node)
+            if not isinstance(val, torch.Tensor) or self.rules.dims(node) is None:
+                continue
+            if node.users and all(user in inside or user in hoisted for user in node.users):
+                hoisted.add(node)
+        return hoisted
+
+    def _sources(self, hoisted: set[fx.Node], nodes: set[fx.Node]) -> list[fx.Node]:
+        """What the hoisted nodes read from outside that carries the ids' tokens: sharded where it is read."""
+        found = {
+            arg
+            for node in hoisted
+            for arg in tensor_operands(node.args)
+            if arg not in nodes and arg in self.from_ids and self.rules.dims(arg) is not None
+        }
+        return sorted(found, key=self.order.__getitem__)
 
     def _check_live(self, node: fx.Node, layouts: dict[fx.Node, Layout]) -> NotShardable | None:
         """The start or a reduce's wait: it leads with the tokens (it is sharded or reduce-scattered)."""
@@ -403,6 +446,22 @@ class _RegionBuilder:
                     )
                     return NotShardable(why, node)
         return tuple(halos)
+
+
+def _unhoisted(verdict: NotShardable, hoisted: set[fx.Node]) -> set[fx.Node]:
+    """The hoisted nodes to compute on all rows again after ``verdict``: the refused node if hoisted, else the
+    hoisted nodes next to it (the readers of a refused source or outside value, the operands of a refused region
+    node); and the hoisted nodes feeding them (a node is hoisted only if all its users are). Empty when the refusal
+    has nothing to do with hoisting."""
+    node = verdict.node
+    if node is None:
+        return set()
+    refused = {node} if node in hoisted else {*node.users, *node.all_input_nodes} & hoisted
+    return (ancestors(refused) & hoisted) | refused
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return getattr(node.target, "namespace", None) == "_c10d_functional"
 
 
 def _slice_dim(node: fx.Node) -> int:

@@ -51,6 +51,7 @@ DIM_OPS = {  # op -> (position of its dim argument, default dim)
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 ELEMENTWISE = {prims.convert_element_type.default, aten.clone.default, aten._to_copy.default}
 CONVOLUTION = aten.convolution.default
+EMBEDDING = aten.embedding.default
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 Layouts = Mapping[fx.Node, Layout]
 
@@ -166,8 +167,12 @@ class RowRules:
         no tokens (a weight or constant broadcast over the rows, or the right-hand side of a GEMM)."""
         if operand in self.token_carriers:
             return NotShardable(f"reads {operand.name}, which carries tokens but is not in the region", node)
-        if (node.target is aten.mm.default and position == 1) or (node.target is CONVOLUTION and position in (1, 2)):
-            return None  # the right-hand side of a GEMM, a conv's weight and bias: used whole by every row
+        if (
+            (node.target is aten.mm.default and position == 1)
+            or (node.target is CONVOLUTION and position in (1, 2))
+            or (node.target is EMBEDDING and position == 0)
+        ):
+            return None  # the right-hand side of a GEMM, a conv's weight and bias, a table: used whole by every row
         val, out = value_of(operand), first_tensor(value_of(node))
         # Broadcasting aligns dims from the right: the operand's dims under the token dims must be 1.
         offset = out.dim() - val.dim()
@@ -191,8 +196,10 @@ def _no_tokens_in(rules: RowRules, node: fx.Node) -> NotShardable:
 
 
 def _source(node: fx.Node) -> fx.Node:
-    """The operand an op's rule reads the layout of: its input (a ``cat``'s first input)."""
-    return node.args[0][0] if node.target is aten.cat.default else node.args[0]
+    """The operand an op's rule reads the layout of: its input (a ``cat``'s first input, an embedding's indices)."""
+    if node.target is aten.cat.default:
+        return node.args[0][0]
+    return node.args[1] if node.target is EMBEDDING else node.args[0]
 
 
 def _dim_arg(node: fx.Node) -> Any:
@@ -335,6 +342,11 @@ def _repeat(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) ->
     return normalized(shifted, value_of(node).shape)
 
 
+def _embedding(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
+    """A table lookup: row i of the result is the table's row at index i (``layout`` is the indices')."""
+    return layout
+
+
 OP_RULES: dict[Any, Callable[[RowRules, fx.Node, Layout, Layouts], Layout | NotShardable]] = {
     **dict.fromkeys(SIZE_OPS, _resize),
     **dict.fromkeys(DIM_OPS, _along_dim),
@@ -345,4 +357,5 @@ OP_RULES: dict[Any, Callable[[RowRules, fx.Node, Layout, Layouts], Layout | NotS
     aten.constant_pad_nd.default: _pad,
     CONVOLUTION: _convolution,
     aten.repeat.default: _repeat,
+    EMBEDDING: _embedding,
 }
