@@ -290,7 +290,8 @@ class _RegionBuilder:
         return sorted(found, key=self.order.__getitem__)
 
     def _check_live(self, node: fx.Node, layouts: dict[fx.Node, Layout]) -> NotShardable | None:
-        """The start or a reduce's wait: it leads with the tokens (it is sharded or reduce-scattered)."""
+        """The start, a reduce's wait or a hoisted node's source: it leads with the tokens (it is sharded or
+        reduce-scattered)."""
         verdict = self.rules.check_leading(node)
         if verdict is None:
             layouts[node] = leading_layout(first_tensor(value_of(node)), self.rules.tokens)
