@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
-from hcpasses.passes.sp_rewrite.rules import SIZE_OPS, RowRules
+from hcpasses.passes.sp_rewrite.rules import SIZE_OPS, RowRules, dim_arg
 from hcpasses.passes.sp_rewrite.tokens import (
     Layout,
     Size,
@@ -140,11 +140,9 @@ def find_regions(
     reduces = tuple(reduces)
     order = node_order(graph)
     tokens = collapse_tokens(collapses[0])
-    carriers = descendants(
-        graph,
-        [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)] + [m.all_reduce for m in reduces],
-    )
-    builder = _RegionBuilder(graph, order, RowRules(tokens, carriers), reduces, min_tokens)
+    from_ids = descendants(graph, [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)])
+    carriers = from_ids | descendants(graph, [m.all_reduce for m in reduces])
+    builder = _RegionBuilder(graph, order, RowRules(tokens, carriers), reduces, min_tokens, from_ids)
     regions: list[Region] = []
     cuts: list[NotShardable] = []
     first, why_start = 0, "first HC block of the graph"
@@ -172,10 +170,10 @@ class _RegionBuilder:
         rules: RowRules,
         reduces: tuple[AllReduceMatch, ...],
         min_tokens: int,
+        from_ids: set[fx.Node],
     ) -> None:
         self.graph, self.order, self.rules, self.reduces = graph, order, rules, reduces
-        self.min_tokens = min_tokens
-        self.from_ids = descendants(graph, [n for n in graph.nodes if n.op == "placeholder" and _is_integer_tensor(n)])
+        self.min_tokens, self.from_ids = min_tokens, from_ids  # from_ids: the integer inputs and what they feed
 
     def longest_from(self, blocks: list[FoundCollapse], why_start: str) -> tuple[Region | None, NotShardable | None]:
         """The longest region starting at ``blocks[0]``'s stream value, and the cut that ended it (None when it
@@ -388,7 +386,9 @@ class _RegionBuilder:
         if isinstance(halos, NotShardable):
             return halos
         identity_slices = tuple(
-            node for node in nodes if node.target is aten.slice.Tensor and layouts[node].holds(_slice_dim(node))
+            node
+            for node in nodes
+            if node.target is aten.slice.Tensor and layouts[node].holds(dim_arg(node) % value_of(node).dim())
         )
         read_nodes = {node for node, _ in reads}
         exits = []
@@ -463,11 +463,6 @@ def _unhoisted(verdict: NotShardable, hoisted: set[fx.Node]) -> set[fx.Node]:
 
 def _is_collective(node: fx.Node) -> bool:
     return getattr(node.target, "namespace", None) == "_c10d_functional"
-
-
-def _slice_dim(node: fx.Node) -> int:
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    return dim % value_of(node).dim()
 
 
 def _is_integer_tensor(node: fx.Node) -> bool:

@@ -202,7 +202,8 @@ def _source(node: fx.Node) -> fx.Node:
     return node.args[1] if node.target is EMBEDDING else node.args[0]
 
 
-def _dim_arg(node: fx.Node) -> Any:
+def dim_arg(node: fx.Node) -> Any:
+    """The dim argument of a ``DIM_OPS`` op (its default where not given)."""
     position, default = DIM_OPS[node.target]
     return node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
 
@@ -223,7 +224,7 @@ def _resize(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) ->
 
 
 def _along_dim(rules: RowRules, node: fx.Node, layout: Layout, layouts: Layouts) -> Layout | NotShardable:
-    dim = _dim_arg(node)
+    dim = dim_arg(node)
     source = value_of(_source(node))
     ndim = source.dim() + (node.target is aten.unsqueeze.default)  # unsqueeze's dim: its output's
     if not isinstance(dim, int):
