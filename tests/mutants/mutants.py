@@ -359,9 +359,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="refused_hoists_kept",
         fault="a hoisted id feature the checks refuse stays hoisted: the refusal cuts the region instead",
         file="hcpasses/passes/sp_rewrite/region.py",
-        old="""            dropped = _unhoisted(verdict, hoisted) if verdict else set()
+        old="""            unhoisted = _left_out(verdict, hoisted) if verdict else set()
 """,
-        new="""            dropped = set()  # "what the ids feed is row-local"
+        new="""            unhoisted = set()  # "what the ids feed is row-local"
 """,
         tests=("tests/real_models/test_sp_real.py",),
         k="ple_runs",

@@ -179,17 +179,28 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
     streams = [exit_.value.name for exit_ in exits if exit_.stream_wide]
     entries = sorted({entry.operand.name for region in plan.regions for entry in region.entries})
     halos = [f"{halo.pad.name} ({halo.rows} rows)" for region in plan.regions for halo in region.halos]
+    gathers = sum(len(exit_.kept) or 1 for exit_ in exits)
+    kept = [
+        f"{exit_.value.name} -> {kept.slice.name} ({kept.rows} of {plan.tokens} rows)"
+        for exit_ in exits
+        for kept in exit_.kept
+    ]
+    full = [f"{exit_.value.name} ({exit_.full_why})" for exit_ in exits if exit_.full_why]
     return [
         *notes,
         *(f"region cut at {cut}" for cut in plan.cuts),
         f"HC blocks sharded: {sum(len(r.collapses) for r in plan.regions)} of {found} in {len(plan.regions)} region(s)",
         f"collectives: {sum(len(r.reduces) for r in plan.regions)} all-reduce -> reduce-scatter; "
-        f"{len(exits) + len(halos)} all-gathers added",
+        f"{gathers + len(halos)} all-gathers added",
         f"stream-wide values gathered (n*S wide, e.g. a returned HC state): {', '.join(streams) or 'none'}",
         f"values from outside sharded where the region reads them row for row (an MTP drafter's embedding, "
         f"features of the ids): {', '.join(entries) or 'none'}",
         f"token windows fed by the rows of the ranks before (a causal conv's halo): {', '.join(halos) or 'none'}",
         f"nodes computing features of the token ids moved onto the shards: {sum(r.hoisted for r in plan.regions)}",
+        f"values gathered only in the rows a token slice keeps (logits_to_keep): {', '.join(kept) or 'none'}",
+        f"nodes after the HC blocks run on the shards, before those slices (a final norm): "
+        f"{sum(r.tail for r in plan.regions)}",
+        *(f"gathered in full though a slice keeps some of its rows: {why}" for why in full),
         *(f"rows per rank: ceil({plan.tokens}/{size})" for size in sorted({r.group.size for r in plan.regions})),
     ]
 
@@ -222,5 +233,7 @@ def _plan_facts(plan: Plan) -> dict[str, int]:
         "entries_sharded": len({entry.operand for region in plan.regions for entry in region.entries}),
         "halos": sum(len(region.halos) for region in plan.regions),
         "hoisted": sum(region.hoisted for region in plan.regions),
+        "kept_rows_gathers": sum(len(exit_.kept) for exit_ in exits),
+        "tail": sum(region.tail for region in plan.regions),
         "cuts": len(plan.cuts),
     }

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
+from hcpasses.passes.sp_rewrite.kept import KeptRows, kept_rows
 from hcpasses.passes.sp_rewrite.rules import SIZE_OPS, RowRules, dim_arg
 from hcpasses.passes.sp_rewrite.tokens import (
     Layout,
@@ -72,6 +73,8 @@ class Exit:
     sizes: tuple[Size, ...]  # its token sizes, to restore several token dims after the gather
     as_bytes: bool  # FP8 codes travel as uint8
     stream_wide: bool  # as wide per token as the streams (n*S): the streams themselves or an HC state
+    kept: tuple[KeptRows, ...] = ()  # every user is a slice keeping a few token rows: only those are gathered
+    full_why: str = ""  # why a value some slice reads that way is gathered in full all the same
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,7 @@ class Region:
     halos: tuple[Halo, ...] = ()
     identity_slices: tuple[fx.Node, ...] = ()  # slices that keep every row of a token dim: dropped on shards
     hoisted: int = 0  # nodes on features of the token ids that run on the shards instead of all rows
+    tail: int = 0  # nodes after the HC blocks that lead only to kept rows (a final norm) and run on the shards
 
     def __post_init__(self) -> None:
         groups = {match.group for match in self.reduces}
@@ -235,8 +239,10 @@ class _RegionBuilder:
         live = [start, *(m.wait for m in reduces)]  # values the region reads in full (start) or replaces (waits)
         reached = self._reach(collapses, live, sinks)
         hoisted = self._hoistable(reached, live)
+        refused_tail: set[fx.Node] = set()
+        tail = self._tail(reached, refused_tail, reduces[0].group.size)
         while True:
-            nodes = reached | hoisted
+            nodes = reached | hoisted | tail
             sources = self._sources(hoisted, nodes)
             layouts: dict[fx.Node, Layout] = {}
             entries = [Entry(user, source) for source in sources for user in source.users if user in nodes]
@@ -246,15 +252,21 @@ class _RegionBuilder:
                 (self._check_partial_sum(match, nodes) for match in reduces),
             )
             verdict = next((verdict for verdict in verdicts if verdict), None)
-            dropped = _unhoisted(verdict, hoisted) if verdict else set()
-            if not dropped:
+            unhoisted = _left_out(verdict, hoisted) if verdict else set()
+            untailed = _left_out(verdict, tail) if verdict else set()
+            if not (unhoisted or untailed):
                 break
-            hoisted -= dropped  # computed on all rows again; each retry drops at least one node, so the loop ends
+            # Computed on all rows again, outside the region; each retry drops at least one node, so the loop ends.
+            hoisted -= unhoisted
+            refused_tail |= untailed
+            tail = self._tail(reached, refused_tail, reduces[0].group.size)
         if verdict:
             return verdict
         entries.sort(key=lambda entry: self.order[entry.user])
         region = self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts)
-        return dataclasses.replace(region, hoisted=len(hoisted)) if isinstance(region, Region) else region
+        if isinstance(region, NotShardable):
+            return region
+        return dataclasses.replace(region, hoisted=len(hoisted), tail=len(tail))
 
     def _hoistable(self, region: set[fx.Node], live: list[fx.Node]) -> set[fx.Node]:
         """Nodes outside ``region`` that compute features of the token ids (descendants of integer inputs) for it
@@ -262,7 +274,7 @@ class _RegionBuilder:
         rows instead of all (a PLE's key and value projections of its n-gram embedding, and their norm), their
         inputs from outside sharded where they read them (``_sources``). Ids are replicated, so is what they
         feed. Only nodes after the start (``live[0]``; their shards need the row count, computed from it), never a
-        collective. Nodes the checks refuse are dropped again (``_unhoisted``)."""
+        collective. Nodes the checks refuse are dropped again (``_left_out``)."""
         inside = region | set(live)
         hoisted: set[fx.Node] = set()
         for node in reversed(self.graph.nodes):  # users before producers
@@ -276,6 +288,41 @@ class _RegionBuilder:
             if node.users and all(user in inside or user in hoisted for user in node.users):
                 hoisted.add(node)
         return hoisted
+
+    def _tail(self, region: set[fx.Node], refused: set[fx.Node], tp: int) -> set[fx.Node]:
+        """Nodes after the ``region`` that lead only to slices keeping a few token rows (``kept_rows``): a final norm
+        before ``hidden[:, -1:]``, the LM head's input. On the shards, they leave only the kept rows to gather
+        instead of every row for them. Nodes the checks ``refused`` and what they feed stay outside."""
+        after = descendants(self.graph, region) - region
+        blocked = descendants(self.graph, refused) if refused else set()
+        tail: set[fx.Node] = set()
+        for node in reversed(self.graph.nodes):  # users before producers
+            if node not in after or node in blocked or node.op != "call_function" or _is_collective(node):
+                continue
+            if node.users and all(user in tail or self._narrows(user, tp) for user in node.users):
+                tail.add(node)
+        return tail
+
+    def _narrows(self, node: fx.Node, tp: int) -> bool:
+        """Whether ``node`` is a slice that keeps a few token rows of its input."""
+        if node.target is not aten.slice.Tensor or not isinstance(value_of(node.args[0]), torch.Tensor):
+            return False
+        shape = value_of(node.args[0]).shape
+        verdict = kept_rows(node, self.rules.dims(node.args[0]), shape, self.rules.tokens, tp, self.min_tokens)
+        return isinstance(verdict, KeptRows)
+
+    def _kept(self, users: tuple[fx.Node, ...], k: int, shape: Any, tp: int) -> tuple[tuple[KeptRows, ...], str]:
+        """The slices that keep a few token rows of an exit of ``shape`` (``k`` token dims) when every user of it is
+        one: only their rows are gathered. Otherwise none, and why where some slice would have kept rows."""
+        verdicts = [kept_rows(user, k, shape, self.rules.tokens, tp, self.min_tokens) for user in users]
+        kept = tuple(verdict for verdict in verdicts if isinstance(verdict, KeptRows))
+        if len(kept) == len(users):
+            return kept, ""
+        pairs = list(zip(users, verdicts, strict=True))
+        reasons = [f"{user.name} {verdict}" for user, verdict in pairs if isinstance(verdict, str)]
+        if kept:
+            reasons += [f"read in full by {user.name}" for user, verdict in pairs if verdict is None]
+        return (), "; ".join(reasons)
 
     def _sources(self, hoisted: set[fx.Node], nodes: set[fx.Node]) -> list[fx.Node]:
         """What the hoisted nodes read from outside that carries the ids' tokens: sharded where it is read."""
@@ -410,7 +457,8 @@ class _RegionBuilder:
             if None in sizes:
                 return NotShardable(f"token sizes {tuple(val.shape[:k])} are not the start's sizes nor N", value)
             wide = same_size(math.prod(val.shape[k:]), stream_width)
-            exits.append(Exit(value, users, sizes, val.dtype in FP8_DTYPES, wide))
+            kept, full_why = self._kept(users, k, val.shape, reduces[0].group.size)
+            exits.append(Exit(value, users, sizes, val.dtype in FP8_DTYPES, wide, kept, full_why))
         return Region(
             start=start,
             why_start=why_start,
@@ -449,16 +497,16 @@ class _RegionBuilder:
         return tuple(halos)
 
 
-def _unhoisted(verdict: NotShardable, hoisted: set[fx.Node]) -> set[fx.Node]:
-    """The hoisted nodes to compute on all rows again after ``verdict``: the refused node if hoisted, else the
-    hoisted nodes next to it (the readers of a refused source or outside value, the operands of a refused region
-    node); and the hoisted nodes feeding them (a node is hoisted only if all its users are). Empty when the refusal
-    has nothing to do with hoisting."""
+def _left_out(verdict: NotShardable, optional: set[fx.Node]) -> set[fx.Node]:
+    """The nodes the region took on top of its own (``optional``: hoisted ones, its tail) to compute outside it
+    again after ``verdict``: the refused node if optional, else the optional nodes next to it (the readers of a
+    refused source or outside value, the operands of a refused region node); and the optional nodes feeding them
+    (an optional node is taken only if all its users are). Empty when the refusal has nothing to do with them."""
     node = verdict.node
     if node is None:
         return set()
-    refused = {node} if node in hoisted else {*node.users, *node.all_input_nodes} & hoisted
-    return (ancestors(refused) & hoisted) | refused
+    refused = {node} if node in optional else {*node.users, *node.all_input_nodes} & optional
+    return (ancestors(refused) & optional) | refused
 
 
 def _is_collective(node: fx.Node) -> bool:
