@@ -5,7 +5,8 @@ in its math: grouped norm, down/up GEMMs, gated mean, ``2*sigmoid(l/n)`` inject)
 all-reduce through functional collectives, a final gated-mean mixer, and only the logits returned. The grouped
 norm is one of ``NORMS``: the spellings seen in public code (rsqrt in fp32 and back, ``x / sqrt(mean(x^2) + eps)``
 in the activation dtype, ``F.rms_norm``, Gemma's ``(1 + w)``). An optional causal depthwise conv over tokens
-on the streams (a token window: each row reads the 2 before it) starts one layer.
+on the streams (a token window: each row reads the 2 before it) starts one layer. With ``keep``, only the last
+``keep`` rows reach the LM head (transformers' ``logits_to_keep``), after a final step on all rows (``TAILS``).
 
 Weights are drawn full-size from a seed and each rank takes its TP slice, so any tp computes the tp = 1 model.
 """
@@ -138,6 +139,7 @@ class SwiGLU(nn.Module):
 
 
 WINDOWS = ("front_pad", "own_padding", "centred")
+TAILS = ("norm", "centred")  # before the kept rows: a final RMS norm (row-local), or centring over the tokens (not)
 
 
 class UserHC(nn.Module):
@@ -153,16 +155,19 @@ class UserHC(nn.Module):
         hidden: int = 32,
         vocab: int = 64,
         window: str = "front_pad",
+        keep: int = 0,
+        tail: str = "norm",
     ) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.n, self.conv_layer, self.window = n, conv_layer, window
+        self.n, self.conv_layer, self.window, self.keep, self.tail = n, conv_layer, window, keep, tail
         self.embed = _frozen(torch.randn(vocab, hidden, generator=g), dtype)
         self.blocks = nn.ModuleList(GatedResidual(n, hidden, 8, norm, g, dtype) for _ in range(2 * layers))
         self.sublayers = nn.ModuleList(SwiGLU(hidden, 64, tp, rank, g, dtype) for _ in range(2 * layers))
         self.final = GatedResidual(n, hidden, 8, norm, g, dtype)
         self.conv = _frozen(torch.randn(n * hidden, 1, 3, generator=g) * 0.3, dtype)
         self.head = _frozen(torch.randn(vocab, hidden, generator=g) * hidden**-0.5, dtype)
+        self.final_norm = _frozen(1.0 + 0.1 * torch.randn(hidden, generator=g), dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed[ids].repeat(1, self.n)
@@ -171,7 +176,18 @@ class UserHC(nn.Module):
                 h = h + self.token_window(h.t().unsqueeze(0))[0].t()
             x, inject = block(h)
             h = block.combine(h, sublayer(self.sublayer_input(index, x)), inject)
-        return F.linear(self.final(h)[0], self.head)
+        out = self.final(h)[0]
+        if self.keep:
+            out = self.tail_rows(out)[-self.keep :]
+        return F.linear(out, self.head)
+
+    def tail_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The final mixer's output ``[T, S]`` before the kept rows: RMS-normed, or centred over the tokens."""
+        if self.tail == "norm":
+            return norm_rsqrt(out, self.final_norm, 1e-6)
+        if self.tail == "centred":
+            return out - out.mean(0, keepdim=True)
+        raise ValueError(f"tail must be one of {TAILS}, got {self.tail!r}")
 
     def token_window(self, x: torch.Tensor) -> torch.Tensor:
         """A depthwise conv over the tokens of every stream, ``x [1, n*S, T] -> [1, n*S, T]``, spelled as

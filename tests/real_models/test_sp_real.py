@@ -139,3 +139,39 @@ def test_qwen4_exp_ple_runs_on_the_shards(tokens: int) -> None:
     expected = logits(build_ple(), ids)
     for (actual,) in outputs:
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+class KeptLogits(Logits):
+    """``input_ids -> logits`` of the last token of each sequence (``logits_to_keep=1``, as serving's prefill)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, logits_to_keep=1).logits
+
+
+@pytest.mark.parametrize(("family", "final_norm"), [("qwen4_exp", False), ("deepseek_v4", True)])
+def test_logits_to_keep_gathers_only_the_last_row_of_each_sequence(family: str, final_norm: bool) -> None:
+    """Two ragged sequences of 13 tokens at tp 2 (R = 13 rows; row 12 on rank 0, row 25 on rank 1): the final
+    mixer's output (qwen4_exp) or its final norm's, run on the shards (deepseek_v4), is gathered in its 2 kept rows,
+    not 26; the logits are SP off's and eager's."""
+    ids = token_ids(2, seed=9)[:, :13]
+    graphs = capture_with_passes(
+        lambda rank, tp: KeptLogits(build(family, False, rank, tp)),
+        lambda rank, tp: (ids,),
+        2,
+        HCPassesConfig(sp_min_tokens=1),
+        codegen=False,
+    )
+    sp = graphs.report.record("sp_rewrite")
+    assert sp.status == "applied" and sp.applied == 3 and sp.facts["kept_rows_gathers"] == 1, sp.notes
+    assert (sp.facts["tail"] > 0) == final_norm, sp.notes
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    last = [node for node in graphs.graphs[1].graph.nodes if node.target is gather][-1]
+    assert last.args[0].meta["val"].shape[0] == 2  # one kept row per sequence from each rank
+    outputs = simulate(graphs.graphs, graphs.inputs)
+    unsharded = graphs.sp_off()
+    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
+        assert_same_as_sp_off(got, want)
+    expected = KeptLogits(build(family, False))(ids)
+    assert expected.shape[:2] == (2, 1)
+    for (actual,) in outputs:
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)

@@ -185,7 +185,7 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         for exit_ in exits
         for kept in exit_.kept
     ]
-    full = [f"{exit_.value.name} ({exit_.full_why})" for exit_ in exits if exit_.full_why]
+    unkept = [why for region in plan.regions for why in region.unkept]
     return [
         *notes,
         *(f"region cut at {cut}" for cut in plan.cuts),
@@ -200,7 +200,11 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         f"values gathered only in the rows a token slice keeps (logits_to_keep): {', '.join(kept) or 'none'}",
         f"nodes after the HC blocks run on the shards, before those slices (a final norm): "
         f"{sum(r.tail for r in plan.regions)}",
-        *(f"gathered in full though a slice keeps some of its rows: {why}" for why in full),
+        *(
+            [f"slices along the tokens that read every row all the same (gathered): {'; '.join(unkept)}"]
+            if unkept
+            else []
+        ),
         *(f"rows per rank: ceil({plan.tokens}/{size})" for size in sorted({r.group.size for r in plan.regions})),
     ]
 

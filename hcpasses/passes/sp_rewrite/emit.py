@@ -245,14 +245,13 @@ class _Emitter:
     def _gather_kept(self, node: fx.Node, exit_: Exit, kept: KeptRows) -> None:
         """``x[..., first:first + count]`` along a token dim of an exit (``kept``) -> those K rows alone, not all N.
 
-        Every rank sends its copy of each kept row (an index into its own rows, clamped: where it does not hold the
-        row, any of its rows stands in) in one all-gather of tp blocks of K rows; kept row j is row j of the block
-        of the rank that holds it, block ``owner = row // R``. A symbolic N must give the dim the rows the slice
-        keeps: the graph asserts it (the analysis made sure every N >= sp_min_tokens does)."""
+        Every rank sends its copy of each kept row, row % R of its rows (where it does not hold the row, another of
+        its rows stands in), in one all-gather of tp blocks of K rows; kept row j is row j of the block of the rank
+        that holds it, block ``row // R``. A symbolic N must give the dim the rows the slice keeps: the graph
+        asserts it (the analysis made sure every N >= sp_min_tokens does)."""
         k, val = kept.k, value_of(exit_.value)
         rest, group = list(val.shape[k:]), self.region.group.arg
         sizes = [self._size(size) for size in exit_.sizes]  # the unsharded token sizes
-        as_bytes = exit_.as_bytes  # FP8 codes travel as bytes (gloo has no FP8)
         call = self.graph.call_function
         with self.graph.inserting_before(kept.slice):
             if not isinstance(sizes[kept.dim], int):
@@ -260,55 +259,46 @@ class _Emitter:
                 why = f"hcpasses SP: a slice keeps rows up to {kept.least} of a token dim, which is shorter"
                 call(aten._assert_scalar.default, (enough, why))
             rows = self._kept_token_rows(sizes, kept, val.device)
-            local = self._plus(rows, _node(-self.rank * _proxy(self.rows)))
-            local = call(aten.clamp.default, (local, 0, _node(_proxy(self.rows) - 1)))
-            source = call(aten.view.dtype, (node, torch.uint8)) if as_bytes else node
-            mine = call(aten.index_select.default, (self._flatten_tokens(source, k, rest), 0, local))
+            # FP8 codes travel as bytes (gloo has no FP8)
+            source = call(aten.view.dtype, (node, torch.uint8)) if exit_.as_bytes else node
+            local = call(aten.remainder.Scalar, (rows, self.rows))
+            mine = call(aten.index.Tensor, (self._flatten_tokens(source, k, rest), [local]))
             gathered = call(WAIT, (call(c10d.all_gather_into_tensor.default, (mine, self.tp, group)),))
             owner = call(aten.div.Tensor_mode, (rows, self.rows), {"rounding_mode": "floor"})
-            pick = call(aten.add.Tensor, (self._times(owner, kept.rows), self._arange(kept.rows, val.device)))
-            picked = call(aten.index_select.default, (gathered, 0, pick))
-            picked = call(aten.view.dtype, (picked, val.dtype)) if as_bytes else picked
-            token_sizes = [kept.count if d == kept.dim else sizes[d] for d in range(k)]  # static: others are
+            block = call(aten.mul.Tensor, (owner, kept.rows))
+            picked = call(aten.index.Tensor, (gathered, [call(aten.add.Tensor, (block, self._iota(kept.rows, val)))]))
+            picked = call(aten.view.dtype, (picked, val.dtype)) if exit_.as_bytes else picked
+            token_sizes = [kept.count if d == kept.dim else sizes[d] for d in range(k)]  # static: K is
             out = call(aten.reshape.default, (picked, [*token_sizes, *rest]))
         kept.slice.replace_all_uses_with(out)
         self.graph.erase_node(kept.slice)
 
     def _kept_token_rows(self, sizes: list[Any], kept: KeptRows, device: torch.device) -> fx.Node:
         """The flattened token rows (row-major over the token dims ``sizes``) that ``kept.slice`` keeps, in its order:
-        ``[K]`` int64. Dim by dim: the rows so far (one per kept position of the earlier dims) plus each kept index
-        of this dim times its stride; the sliced dim's indices run from its first kept row."""
+        ``[K]`` int64. Dim by dim: each of the rows so far plus each kept index of this dim times its stride; the
+        sliced dim's indices run from its first kept row."""
         call, index = self.graph.call_function, None
         for d in range(kept.k):
             count = kept.count if d == kept.dim else sizes[d]
             if d != kept.dim and count == 1:
                 continue  # a dim of one row adds nothing to the row index
-            steps = self._arange(count, device)
-            if d == kept.dim:
-                steps = self._plus(steps, _node(_proxy(sizes[d]) - kept.first) if kept.from_end else kept.first)
-            steps = self._times(steps, _node(functools.reduce(operator.mul, map(_proxy, sizes[d + 1 : kept.k]), 1)))
+            stride = functools.reduce(operator.mul, map(_proxy, sizes[d + 1 : kept.k]), 1)
+            first = 0 if d != kept.dim else (_proxy(sizes[d]) - kept.first) if kept.from_end else kept.first
+            start = 0 if isinstance(first, int) and first == 0 else _node(first * stride)
+            steps = self._iota(count, device, start, _node(stride))
             if index is not None:
-                steps = call(
-                    aten.reshape.default,
-                    (call(aten.add.Tensor, (call(aten.unsqueeze.default, (index, -1)), steps)), [-1]),
-                )
+                pairs = call(aten.add.Tensor, (call(aten.unsqueeze.default, (index, -1)), steps))
+                steps = call(aten.reshape.default, (pairs, [-1]))
             index = steps
         return index
 
-    def _arange(self, count: int, device: torch.device) -> fx.Node:
-        return self.graph.call_function(aten.arange.default, (count,), {"dtype": torch.int64, "device": device})
-
-    def _plus(self, tensor: fx.Node, offset: Any) -> fx.Node:
-        """``tensor + offset`` (an int or a symbolic int's node); nothing to add for a static 0."""
-        if isinstance(offset, int) and offset == 0:
-            return tensor
-        return self.graph.call_function(aten.add.Tensor, (tensor, offset))
-
-    def _times(self, tensor: fx.Node, factor: Any) -> fx.Node:
-        """``tensor * factor`` (an int or a symbolic int's node); nothing to multiply for a static 1."""
-        if isinstance(factor, int) and factor == 1:
-            return tensor
-        return self.graph.call_function(aten.mul.Tensor, (tensor, factor))
+    def _iota(self, count: int, device: Any, start: Any = 0, step: Any = 1) -> fx.Node:
+        """``start + step * arange(count)``, int64 on ``device`` (or a value's): ``prims.iota``, which Inductor
+        lowers (``aten.arange`` and ``aten.clamp`` or ``aten.index_select`` it expects decomposed before the
+        post-grad passes: none of them may be emitted here)."""
+        device = device.device if isinstance(device, torch.Tensor) else device
+        kwargs = {"start": start, "step": step, "dtype": torch.int64, "device": device, "requires_grad": False}
+        return self.graph.call_function(torch.ops.prims.iota.default, (count,), kwargs)
 
 
 def _replace_uses(old: fx.Node, new: Any) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -74,7 +74,6 @@ class Exit:
     as_bytes: bool  # FP8 codes travel as uint8
     stream_wide: bool  # as wide per token as the streams (n*S): the streams themselves or an HC state
     kept: tuple[KeptRows, ...] = ()  # every user is a slice keeping a few token rows: only those are gathered
-    full_why: str = ""  # why a value some slice reads that way is gathered in full all the same
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +102,7 @@ class Region:
     identity_slices: tuple[fx.Node, ...] = ()  # slices that keep every row of a token dim: dropped on shards
     hoisted: int = 0  # nodes on features of the token ids that run on the shards instead of all rows
     tail: int = 0  # nodes after the HC blocks that lead only to kept rows (a final norm) and run on the shards
+    unkept: tuple[str, ...] = ()  # slices along the tokens after the region that read every row, and why
 
     def __post_init__(self) -> None:
         groups = {match.group for match in self.reduces}
@@ -240,7 +240,7 @@ class _RegionBuilder:
         reached = self._reach(collapses, live, sinks)
         hoisted = self._hoistable(reached, live)
         refused_tail: set[fx.Node] = set()
-        tail = self._tail(reached, refused_tail, reduces[0].group.size)
+        tail, unkept = self._tail(reached, refused_tail, reduces[0].group.size)
         while True:
             nodes = reached | hoisted | tail
             sources = self._sources(hoisted, nodes)
@@ -259,14 +259,14 @@ class _RegionBuilder:
             # Computed on all rows again, outside the region; each retry drops at least one node, so the loop ends.
             hoisted -= unhoisted
             refused_tail |= untailed
-            tail = self._tail(reached, refused_tail, reduces[0].group.size)
+            tail, unkept = self._tail(reached, refused_tail, reduces[0].group.size)
         if verdict:
             return verdict
         entries.sort(key=lambda entry: self.order[entry.user])
         region = self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts)
         if isinstance(region, NotShardable):
             return region
-        return dataclasses.replace(region, hoisted=len(hoisted), tail=len(tail))
+        return dataclasses.replace(region, hoisted=len(hoisted), tail=len(tail), unkept=unkept)
 
     def _hoistable(self, region: set[fx.Node], live: list[fx.Node]) -> set[fx.Node]:
         """Nodes outside ``region`` that compute features of the token ids (descendants of integer inputs) for it
@@ -289,40 +289,47 @@ class _RegionBuilder:
                 hoisted.add(node)
         return hoisted
 
-    def _tail(self, region: set[fx.Node], refused: set[fx.Node], tp: int) -> set[fx.Node]:
+    def _tail(self, region: set[fx.Node], refused: set[fx.Node], tp: int) -> tuple[set[fx.Node], tuple[str, ...]]:
         """Nodes after the ``region`` that lead only to slices keeping a few token rows (``kept_rows``): a final norm
         before ``hidden[:, -1:]``, the LM head's input. On the shards, they leave only the kept rows to gather
-        instead of every row for them. Nodes the checks ``refused`` and what they feed stay outside."""
+        instead of every row for them. Nodes the checks ``refused`` and what they feed stay outside. Also why the
+        slices along the tokens that read the region (directly or through such nodes) read every row all the same
+        (they keep too many rows to gain, or rows a symbolic N may not have)."""
         after = descendants(self.graph, region) - region
-        blocked = descendants(self.graph, refused) if refused else set()
-        tail: set[fx.Node] = set()
+        candidates = after - descendants(self.graph, refused) if refused else after
+        slices = {node: self._kept_verdict(node, tp) for node in after if node.target is aten.slice.Tensor}
+        tail = self._leading_to(candidates, lambda user: isinstance(slices.get(user), KeptRows))
+        reading = region | self._leading_to(candidates, lambda user: slices.get(user) is not None)
+        unkept = tuple(
+            f"{node.name} {verdict}"
+            for node, verdict in sorted(slices.items(), key=lambda item: self.order[item[0]])
+            if isinstance(verdict, str) and node.args[0] in reading
+        )
+        return tail, unkept
+
+    def _leading_to(self, candidates: set[fx.Node], ends: Callable[[fx.Node], bool]) -> set[fx.Node]:
+        """The ``candidates`` (computations, not collectives) all of whose users are among them or ``ends``."""
+        found: set[fx.Node] = set()
         for node in reversed(self.graph.nodes):  # users before producers
-            if node not in after or node in blocked or node.op != "call_function" or _is_collective(node):
+            if node not in candidates or node.op != "call_function" or _is_collective(node):
                 continue
-            if node.users and all(user in tail or self._narrows(user, tp) for user in node.users):
-                tail.add(node)
-        return tail
+            if node.users and all(user in found or ends(user) for user in node.users):
+                found.add(node)
+        return found
 
-    def _narrows(self, node: fx.Node, tp: int) -> bool:
-        """Whether ``node`` is a slice that keeps a few token rows of its input."""
-        if node.target is not aten.slice.Tensor or not isinstance(value_of(node.args[0]), torch.Tensor):
-            return False
-        shape = value_of(node.args[0]).shape
-        verdict = kept_rows(node, self.rules.dims(node.args[0]), shape, self.rules.tokens, tp, self.min_tokens)
-        return isinstance(verdict, KeptRows)
+    def _kept_verdict(self, node: fx.Node, tp: int) -> KeptRows | str | None:
+        """``kept_rows`` of a slice, read off its input's value (its leading token dims)."""
+        val = value_of(node.args[0])
+        if not isinstance(val, torch.Tensor):
+            return None
+        return kept_rows(node, self.rules.dims(node.args[0]), val.shape, self.rules.tokens, tp, self.min_tokens)
 
-    def _kept(self, users: tuple[fx.Node, ...], k: int, shape: Any, tp: int) -> tuple[tuple[KeptRows, ...], str]:
-        """The slices that keep a few token rows of an exit of ``shape`` (``k`` token dims) when every user of it is
-        one: only their rows are gathered. Otherwise none, and why where some slice would have kept rows."""
+    def _kept(self, users: tuple[fx.Node, ...], k: int, shape: Any, tp: int) -> tuple[KeptRows, ...]:
+        """The slices keeping a few token rows of an exit of ``shape`` (``k`` token dims), when every user of it is
+        one: only their rows are gathered. Otherwise none: the exit is gathered in full."""
         verdicts = [kept_rows(user, k, shape, self.rules.tokens, tp, self.min_tokens) for user in users]
         kept = tuple(verdict for verdict in verdicts if isinstance(verdict, KeptRows))
-        if len(kept) == len(users):
-            return kept, ""
-        pairs = list(zip(users, verdicts, strict=True))
-        reasons = [f"{user.name} {verdict}" for user, verdict in pairs if isinstance(verdict, str)]
-        if kept:
-            reasons += [f"read in full by {user.name}" for user, verdict in pairs if verdict is None]
-        return (), "; ".join(reasons)
+        return kept if len(kept) == len(users) else ()
 
     def _sources(self, hoisted: set[fx.Node], nodes: set[fx.Node]) -> list[fx.Node]:
         """What the hoisted nodes read from outside that carries the ids' tokens: sharded where it is read."""
@@ -457,8 +464,8 @@ class _RegionBuilder:
             if None in sizes:
                 return NotShardable(f"token sizes {tuple(val.shape[:k])} are not the start's sizes nor N", value)
             wide = same_size(math.prod(val.shape[k:]), stream_width)
-            kept, full_why = self._kept(users, k, val.shape, reduces[0].group.size)
-            exits.append(Exit(value, users, sizes, val.dtype in FP8_DTYPES, wide, kept, full_why))
+            kept = self._kept(users, k, val.shape, reduces[0].group.size)
+            exits.append(Exit(value, users, sizes, val.dtype in FP8_DTYPES, wide, kept))
         return Region(
             start=start,
             why_start=why_start,

@@ -1,0 +1,132 @@
+"""SP exits that keep a few token rows: where every reader of a region value is a slice keeping a few of its token
+rows (serving's ``logits_to_keep=1``: ``hidden[-1:]`` before the LM head), only those rows are gathered, one
+all-gather of tp * K rows instead of N, each kept row taken from the rank that holds it; a final step on every row
+before the slice (an RMS norm) runs on the shards. Checked at static, ragged and symbolic token counts and with
+rows held by two ranks, against SP off and eager; slices that would not gather fewer rows, and a final step that
+is not row-local, keep the full gather and say why, without cutting the region."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from corpus.gated_residual import UserHC
+from harness import simulate
+from harness.reference import RankGraphs, assert_same_as_sp_off, capture_with_passes, collective_counts
+from test_sp_rewrite import with_tokens  # the captured inputs with other ids and their symbolic T
+
+from hcpasses.config import HCPassesConfig
+
+LAYERS = 2
+ALL_GATHERS = 2 * LAYERS + 1  # each sub-layer's x, and the final mixer's (its kept rows, or all)
+GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
+def ids_of(tokens: int) -> torch.Tensor:
+    return torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens + 7))
+
+
+def model(keep: int, tail: str, tp: int = 1, rank: int = 0) -> UserHC:
+    return UserHC("rsqrt", LAYERS, None, torch.float32, tp, rank, keep=keep, tail=tail)
+
+
+def capture(
+    keep: int, tail: str, tokens: int, tp: int, min_tokens: int = 1, dynamic: bool = False, codegen: bool = False
+) -> RankGraphs:
+    """Each rank's graph after the passes; a dynamic one also through Inductor's codegen (its runtime assert), a
+    static one where asked (the emitted index ops must be ones Inductor lowers)."""
+    ids = ids_of(tokens)
+    return capture_with_passes(
+        lambda rank, size: model(keep, tail, size, rank),
+        lambda rank, size: (ids,),
+        tp,
+        HCPassesConfig(sp_min_tokens=min_tokens),
+        dynamic=dynamic,
+        codegen=dynamic or codegen,
+    )
+
+
+def assert_exact(sharded: RankGraphs, tokens: int, keep: int, tail: str) -> None:
+    """Every rank's logits at ``tokens`` equal the SP-off graph's and eager's (fp32: GEMM blocking only)."""
+    ids = ids_of(tokens)
+    with torch.no_grad():
+        expected = model(keep, tail)(ids)
+    assert expected.shape[0] == min(keep, tokens)
+    unsharded = sharded.sp_off()
+    inputs = [with_tokens(list(sharded.inputs[r]), gm, ids) for r, gm in enumerate(sharded.graphs)]
+    off_inputs = [with_tokens(list(unsharded.inputs[r]), gm, ids) for r, gm in enumerate(unsharded.graphs)]
+    outputs = simulate(sharded.graphs, inputs)
+    for got, want in zip(outputs, simulate(unsharded.graphs, off_inputs), strict=True):
+        assert_same_as_sp_off(got, want, eager=[expected])
+        torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def gathered_rows(gm: torch.fx.GraphModule) -> list[int]:
+    """The rows each all-gather of the graph sends from this rank."""
+    return [node.args[0].meta["val"].shape[0] for node in gm.graph.nodes if node.target is GATHER]
+
+
+# tokens, tp, keep: the last row on the last rank (even), on a rank before padding-only ones (7 at tp 4: R = 2,
+# row 6 on rank 3; 9 at tp 4: R = 3, row 8 on rank 2, rank 3 pads), and kept rows held by two ranks (14 at tp 4:
+# R = 4, rows 11..13 on ranks 2 and 3)
+@pytest.mark.parametrize(("tokens", "tp", "keep"), [(16, 2, 1), (7, 4, 1), (9, 4, 1), (9, 3, 2), (14, 4, 3)])
+def test_only_the_kept_rows_are_gathered_after_a_final_norm_on_the_shards(tokens: int, tp: int, keep: int) -> None:
+    sharded = capture(keep, "norm", tokens, tp, codegen=tokens == 14)
+    sp = sharded.report.record("sp_rewrite")
+    assert sp.applied == 2 * LAYERS + 1 and sp.facts["cuts"] == 0, sp.notes
+    assert (sp.facts["kept_rows_gathers"], sp.facts["streams_gathered"]) == (1, 0), sp.notes
+    assert sp.facts["tail"] >= 5, sp.notes  # the norm: pow, mean, add, rsqrt, mul, mul (and dtype casts)
+    kept = [note for note in sp.notes if note.startswith("values gathered only in the rows a token slice keeps")]
+    assert kept and f"({keep} of {tokens} rows)" in kept[0], sp.notes
+    rows = -(-tokens // tp)
+    for gm in sharded.graphs:
+        assert collective_counts(gm) == {"all_reduce": 0, "reduce_scatter": 2 * LAYERS, "all_gather": ALL_GATHERS}
+        # the sub-layers' x as before (R rows each), then the kept rows alone
+        assert gathered_rows(gm) == [rows] * (2 * LAYERS) + [keep], gathered_rows(gm)
+    assert_exact(sharded, tokens, keep, "norm")
+
+
+def test_a_symbolic_token_count_gathers_the_kept_rows_where_sp_min_tokens_leaves_enough() -> None:
+    # tp 2, keep 3: 2 * 3 rows gathered are fewer than N for every N >= sp_min_tokens = 7
+    sharded = capture(3, "norm", 12, 2, min_tokens=7, dynamic=True)
+    sp = sharded.report.record("sp_rewrite")
+    assert (sp.facts["kept_rows_gathers"], sp.facts["cuts"]) == (1, 0) and sp.facts["tail"] > 0, sp.notes
+    for tokens in (7, 8, 11, 16):
+        assert_exact(sharded, tokens, 3, "norm")
+    # Called directly with fewer tokens than the slice keeps (the backend runs those unsharded) the graph says so.
+    ids = ids_of(2)
+    inputs = [with_tokens(list(sharded.inputs[r]), gm, ids) for r, gm in enumerate(sharded.graphs)]
+    with pytest.raises(RuntimeError, match="a slice keeps rows up to 3 of a token dim"):
+        simulate(sharded.graphs, inputs)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "min_tokens", "dynamic", "reason"),
+    [
+        (9, 1, False, "keeps 5 of 9 rows: 2 copies of them are no fewer than all rows"),
+        (12, 8, True, "keeps 5 of as few as 8 rows: 2 copies of them are no fewer than all rows"),
+        (12, 4, True, "keeps rows up to 5 along dim 0; with a symbolic token count, sharded graphs run from "),
+    ],
+)
+def test_a_slice_that_would_not_gather_fewer_rows_keeps_the_full_gather_and_says_why(
+    tokens: int, min_tokens: int, dynamic: bool, reason: str
+) -> None:
+    sharded = capture(5, "norm", tokens, 2, min_tokens=min_tokens, dynamic=dynamic)
+    sp = sharded.report.record("sp_rewrite")
+    assert (sp.facts["kept_rows_gathers"], sp.facts["tail"], sp.facts["cuts"]) == (0, 0, 0), sp.notes
+    [full] = [note for note in sp.notes if note.startswith("slices along the tokens that read every row all the")]
+    assert reason in full, full
+    rows = -(-tokens // 2)
+    assert all(gathered_rows(gm) == [rows] * ALL_GATHERS for gm in sharded.graphs)
+    for count in (tokens, min_tokens) if dynamic else (tokens,):
+        assert_exact(sharded, count, 5, "norm")
+
+
+def test_a_final_step_across_the_tokens_stays_outside_and_costs_no_block() -> None:
+    """Centring over the tokens before the kept row is not row-local: it is left out of the region again (not a
+    cut: every HC block stays sharded), the final mixer's output is gathered in full for it, the logits are exact."""
+    sharded = capture(1, "centred", 10, 2)
+    sp = sharded.report.record("sp_rewrite")
+    assert sp.applied == 2 * LAYERS + 1, sp.notes
+    assert (sp.facts["cuts"], sp.facts["tail"], sp.facts["kept_rows_gathers"]) == (0, 0, 0), sp.notes
+    assert all(gathered_rows(gm) == [5] * ALL_GATHERS for gm in sharded.graphs)
+    assert_exact(sharded, 10, 1, "centred")
