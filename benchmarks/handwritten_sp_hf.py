@@ -29,8 +29,8 @@ padded with zero rows (the last ranks hold the padding; T < tp leaves some ranks
   trimmed at the next gather.
 - The end: the final mixer runs on the local rows. With ``logits_to_keep=1`` (serving's prefill) only the last
   token's row is needed: every rank contributes one row of the mixer output (the row at the last token's local
-  index) to one small all-gather and keeps the owner's; only that row goes through ``lm_head``. This is fair game
-  for a hand-written version and cheaper than hcpasses' gather of the whole exit. Any other ``logits_to_keep``
+  index) to one small all-gather and keeps the owner's; only that row goes through ``lm_head`` (hcpasses does the
+  same from the graph's slice: ``sp_rewrite.kept``). Any other ``logits_to_keep``
   gathers the mixer output ``[T, S]`` and slices it as transformers does (0: every token).
 
 Collectives per forward at tp > 1, with D decoder layers and P PLE layers: 2D all-gathers of x, 2D reduce-scatters,

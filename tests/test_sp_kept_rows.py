@@ -7,6 +7,8 @@ is not row-local, keep the full gather and say why, without cutting the region."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from corpus.gated_residual import UserHC
@@ -50,7 +52,7 @@ def assert_exact(sharded: RankGraphs, tokens: int, keep: int, tail: str) -> None
     ids = ids_of(tokens)
     with torch.no_grad():
         expected = model(keep, tail)(ids)
-    assert expected.shape[0] == min(keep, tokens)
+    assert expected.shape[0] == min(keep, tokens) * (2 if tail == "both" else 1)
     unsharded = sharded.sp_off()
     inputs = [with_tokens(list(sharded.inputs[r]), gm, ids) for r, gm in enumerate(sharded.graphs)]
     off_inputs = [with_tokens(list(unsharded.inputs[r]), gm, ids) for r, gm in enumerate(unsharded.graphs)]
@@ -130,3 +132,37 @@ def test_a_final_step_across_the_tokens_stays_outside_and_costs_no_block() -> No
     assert (sp.facts["cuts"], sp.facts["tail"], sp.facts["kept_rows_gathers"]) == (0, 0, 0), sp.notes
     assert all(gathered_rows(gm) == [5] * ALL_GATHERS for gm in sharded.graphs)
     assert_exact(sharded, 10, 1, "centred")
+
+
+def test_a_refused_step_beside_a_final_norm_costs_only_itself() -> None:
+    """Both: the norm's last row and the centred output's. The centring is left out of the tail (with what it
+    feeds), the norm stays on the shards and is gathered in its kept row; the mixer's output is gathered in full for
+    the centring. The refusal of one node costs only that node's branch."""
+    sharded = capture(1, "both", 10, 2)
+    sp = sharded.report.record("sp_rewrite")
+    assert (sp.facts["cuts"], sp.facts["kept_rows_gathers"]) == (0, 1) and sp.facts["tail"] >= 5, sp.notes
+    assert all(sorted(gathered_rows(gm)) == [1] + [5] * ALL_GATHERS for gm in sharded.graphs)
+    assert_exact(sharded, 10, 1, "both")
+
+
+def test_a_region_its_tail_breaks_is_built_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the tail make the region fail where the node-by-node checks cannot tell (here: the analysis refuses
+    every region holding the final norm's rsqrt), the region is built again without its tail: no cut, no retry
+    loop, every HC block sharded, the exit gathered in full."""
+    from hcpasses.passes.sp_rewrite import region as region_module
+    from hcpasses.passes.sp_rewrite.verdict import NotShardable
+
+    resolve = region_module._RegionBuilder._resolve
+
+    def refuse_the_final_norm(self: Any, start: torch.fx.Node, why_start: str, nodes: Any, *args: Any) -> Any:
+        final_rsqrt = [node for node in start.graph.nodes if node.target is torch.ops.aten.rsqrt.default][-1]
+        if final_rsqrt in nodes:
+            return NotShardable("refused by the test", final_rsqrt)
+        return resolve(self, start, why_start, nodes, *args)
+
+    monkeypatch.setattr(region_module._RegionBuilder, "_resolve", refuse_the_final_norm)
+    sharded = capture(1, "norm", 10, 2)
+    sp = sharded.report.record("sp_rewrite")
+    assert sp.applied == 2 * LAYERS + 1, sp.notes
+    assert (sp.facts["cuts"], sp.facts["tail"], sp.facts["kept_rows_gathers"]) == (0, 0, 0), sp.notes
+    assert_exact(sharded, 10, 1, "norm")

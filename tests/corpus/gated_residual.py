@@ -139,7 +139,8 @@ class SwiGLU(nn.Module):
 
 
 WINDOWS = ("front_pad", "own_padding", "centred")
-TAILS = ("norm", "centred")  # before the kept rows: a final RMS norm (row-local), or centring over the tokens (not)
+# before the kept rows: a final RMS norm (row-local), centring over the tokens (not), or both side by side
+TAILS = ("norm", "centred", "both")
 
 
 class UserHC(nn.Module):
@@ -178,15 +179,18 @@ class UserHC(nn.Module):
             h = block.combine(h, sublayer(self.sublayer_input(index, x)), inject)
         out = self.final(h)[0]
         if self.keep:
-            out = self.tail_rows(out)[-self.keep :]
+            out = self.kept_rows(out)
         return F.linear(out, self.head)
 
-    def tail_rows(self, out: torch.Tensor) -> torch.Tensor:
-        """The final mixer's output ``[T, S]`` before the kept rows: RMS-normed, or centred over the tokens."""
+    def kept_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The last ``keep`` rows of the final mixer's output ``[T, S]``: RMS-normed, centred over the tokens, or
+        both (``[2*keep, S]``)."""
         if self.tail == "norm":
-            return norm_rsqrt(out, self.final_norm, 1e-6)
+            return norm_rsqrt(out, self.final_norm, 1e-6)[-self.keep :]
         if self.tail == "centred":
-            return out - out.mean(0, keepdim=True)
+            return (out - out.mean(0, keepdim=True))[-self.keep :]
+        if self.tail == "both":
+            return torch.cat([norm_rsqrt(out, self.final_norm, 1e-6)[-self.keep :], (out - out.mean(0))[-self.keep :]])
         raise ValueError(f"tail must be one of {TAILS}, got {self.tail!r}")
 
     def token_window(self, x: torch.Tensor) -> torch.Tensor:

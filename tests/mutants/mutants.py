@@ -366,4 +366,59 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/real_models/test_sp_real.py",),
         k="ple_runs",
     ),
+    Mutant(
+        name="kept_row_from_the_first_rank",
+        fault="an exit's kept rows are taken from rank 0's block of the small gather, whichever rank holds them",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""            owner = call(aten.div.Tensor_mode, (rows, self.rows), {"rounding_mode": "floor"})
+""",
+        new="""            owner = call(aten.mul.Tensor, (rows, 0))  # "the gathered rows are in order"
+""",
+        tests=("tests/test_sp_kept_rows.py",),
+        k="only_the_kept_rows",
+    ),
+    Mutant(
+        name="kept_rows_from_the_start",
+        fault="a slice keeping the last rows of a symbolic token dim keeps its first rows instead",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""            first = _proxy(sizes[d]) - first if d == kept.dim and kept.from_end else first
+""",
+        new="""            first = first  # "first is the slice's start"
+""",
+        tests=("tests/test_sp_kept_rows.py",),
+        k="symbolic",
+    ),
+    Mutant(
+        name="kept_rows_a_short_sequence_lacks",
+        fault="with a symbolic token count, a slice is narrowed where sp_min_tokens allows fewer rows than it keeps",
+        file="hcpasses/passes/sp_rewrite/kept.py",
+        old="""        if -(-min_tokens // math.prod(others)) < least:
+""",
+        new="""        if False:  # "the graph asserts it anyway"
+""",
+        tests=("tests/test_sp_kept_rows.py",),
+        k="would_not_gather",
+    ),
+    Mutant(
+        name="refused_tail_node_drops_the_whole_tail",
+        fault="a node after the HC blocks that is not row-local takes the whole tail out of the region with it",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""            untailed = _left_out(verdict, tail) if verdict else set()
+""",
+        new="""            untailed = set()  # "the tail is row-local: it leads to a slice of rows"
+""",
+        tests=("tests/test_sp_kept_rows.py",),
+        k="beside",
+    ),
+    Mutant(
+        name="tail_failure_cuts_the_region",
+        fault="a region that fails with its tail is not tried again without it: the tail cuts the region",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""            return self._region(collapses, start, reduces, sinks, why_start, with_tail=False) if tail else region
+""",
+        new="""            return region  # "the checks already left out what the tail cannot hold"
+""",
+        tests=("tests/test_sp_kept_rows.py",),
+        k="without_it",
+    ),
 )

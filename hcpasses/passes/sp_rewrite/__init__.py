@@ -23,6 +23,15 @@ How the region is found:
   all-reduces that feed later HC blocks, without passing through a collapse (the sub-layer starts
   there) or an all-reduce, and that leads to a later collapse. Values the region computes but others
   use (the sub-layer input, the final mixer output, a returned HC state) are gathered.
+- Kept rows (``kept``): a value read only by slices that keep a few of its token rows (``logits_to_keep=1``:
+  ``hidden[:, -1:]`` before the LM head) is gathered in those rows alone, ``tp * K`` rows instead of N; nodes after
+  the HC blocks that lead only to such slices (a final norm) join the region as its tail, and one the checks refuse
+  goes back outside with what feeds it (the gather moves back before it; no block is cut)::
+
+      h[R] -> final mixer -> norm -> all_gather(row r % R of each kept row r) -> the holders' rows [K] -> lm_head
+
+  Only where the tp * K rows are fewer than N (with a symbolic N: than ``sp_min_tokens``, which must also leave the
+  slice its rows; the graph asserts it). The report names the slices that read every row all the same, and why.
 - Tokens are the leading dims of the values a region shards, reduce-scatters and gathers: ``[T, ...]``
   (vLLM style) or ``[batch, seq, ...]`` (transformers); token i is row i of the value flattened over
   them. N = batch*seq is what is sharded; a shard keeps the rank, its token dims become ``[1, ..., 1,
@@ -82,8 +91,9 @@ ops; the report says per region whether it did and why not.
 Code: analysis first, emission second. ``collectives`` finds the all-reduces (typed matches), ``tokens`` reads
 token dims and stream values, ``rules`` holds the row-locality checks, ``region`` builds the frozen ``Plan`` of
 ``Region``s (every check and every size resolved there; a refusal is a ``NotShardable`` value, ``verdict``),
-``emit`` only inserts nodes; this file gates, runs them in that order and builds the report from the plan. The
-manager re-propagates the fake values afterwards (``resizes_values``).
+``kept`` judges the slices that keep a few rows, ``emit`` only inserts nodes; this file gates, runs them in that
+order and builds the report from the plan. The manager re-propagates the fake values afterwards
+(``resizes_values``).
 """
 
 from __future__ import annotations

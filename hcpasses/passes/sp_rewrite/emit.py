@@ -283,7 +283,8 @@ class _Emitter:
             if d != kept.dim and count == 1:
                 continue  # a dim of one row adds nothing to the row index
             stride = functools.reduce(operator.mul, map(_proxy, sizes[d + 1 : kept.k]), 1)
-            first = 0 if d != kept.dim else (_proxy(sizes[d]) - kept.first) if kept.from_end else kept.first
+            first = kept.first if d == kept.dim else 0
+            first = _proxy(sizes[d]) - first if d == kept.dim and kept.from_end else first
             start = 0 if isinstance(first, int) and first == 0 else _node(first * stride)
             steps = self._iota(count, device, start, _node(stride))
             if index is not None:

@@ -3,7 +3,7 @@
 
 ``kept_rows`` decides, from the slice's arguments and the value's token sizes, whether a slice is such a narrowing
 and which rows it keeps; the emission (``emit._Emitter._gather_kept``) gathers those rows alone: every rank sends
-its copy of each kept row (a clamped index into its shard), one all-gather of ``tp * K`` rows, and each kept row is
+its copy of each kept row (row % R of its shard), one all-gather of ``tp * K`` rows, and each kept row is
 taken from the rank that holds it. So the exit moves ``tp * K`` rows instead of N.
 """
 

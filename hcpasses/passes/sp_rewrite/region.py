@@ -188,7 +188,9 @@ class _RegionBuilder:
             return None, start
         cut: NotShardable | None = None
         end, sinks = len(blocks), []
-        while end > 0:
+        tried: set[tuple[int, tuple[fx.Node, ...]]] = set()
+        while end > 0 and (end, tuple(sinks)) not in tried:  # an attempt that would repeat itself fails again
+            tried.add((end, tuple(sinks)))
             feeding = ancestors([*(c.root for c in blocks[:end]), *sinks])
             used = tuple(m for m in self.reduces if self.order[m.all_reduce] > self.order[start] and m.wait in feeding)
             if not used:
@@ -233,14 +235,17 @@ class _RegionBuilder:
         reduces: tuple[AllReduceMatch, ...],
         sinks: Iterable[fx.Node],
         why_start: str,
+        with_tail: bool = True,
     ) -> Region | NotShardable:
         """The region from ``start`` to the ``collapses`` and to ``sinks`` (the inputs of the node that cuts it:
-        the region runs up to that node, which reads them gathered), checked node by node."""
+        the region runs up to that node, which reads them gathered), checked node by node. Its tail (``_tail``)
+        never cuts it: a region that fails with one is tried again without (``with_tail``)."""
         live = [start, *(m.wait for m in reduces)]  # values the region reads in full (start) or replaces (waits)
+        sinks = list(sinks)
         reached = self._reach(collapses, live, sinks)
         hoisted = self._hoistable(reached, live)
         refused_tail: set[fx.Node] = set()
-        tail, unkept = self._tail(reached, refused_tail, reduces[0].group.size)
+        tail, unkept = self._tail(reached, refused_tail, reduces[0].group.size) if with_tail else (set(), ())
         while True:
             nodes = reached | hoisted | tail
             sources = self._sources(hoisted, nodes)
@@ -258,14 +263,15 @@ class _RegionBuilder:
                 break
             # Computed on all rows again, outside the region; each retry drops at least one node, so the loop ends.
             hoisted -= unhoisted
-            refused_tail |= untailed
-            tail, unkept = self._tail(reached, refused_tail, reduces[0].group.size)
-        if verdict:
-            return verdict
+            if with_tail:
+                refused_tail |= untailed
+                tail, unkept = self._tail(reached, refused_tail, reduces[0].group.size)
         entries.sort(key=lambda entry: self.order[entry.user])
-        region = self._resolve(start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts)
+        region = verdict or self._resolve(
+            start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts
+        )
         if isinstance(region, NotShardable):
-            return region
+            return self._region(collapses, start, reduces, sinks, why_start, with_tail=False) if tail else region
         return dataclasses.replace(region, hoisted=len(hoisted), tail=len(tail), unkept=unkept)
 
     def _hoistable(self, region: set[fx.Node], live: list[fx.Node]) -> set[fx.Node]:
