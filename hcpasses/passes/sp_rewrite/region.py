@@ -270,8 +270,10 @@ class _RegionBuilder:
         region = verdict or self._resolve(
             start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts
         )
+        if isinstance(region, NotShardable) and tail:  # a tail never cuts a region: try again without it
+            return self._region(collapses, start, reduces, sinks, why_start, with_tail=False)
         if isinstance(region, NotShardable):
-            return self._region(collapses, start, reduces, sinks, why_start, with_tail=False) if tail else region
+            return region
         return dataclasses.replace(region, hoisted=len(hoisted), tail=len(tail), unkept=unkept)
 
     def _hoistable(self, region: set[fx.Node], live: list[fx.Node]) -> set[fx.Node]:
