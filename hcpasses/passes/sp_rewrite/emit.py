@@ -266,9 +266,11 @@ class _Emitter:
             gathered = call(WAIT, (call(c10d.all_gather_into_tensor.default, (mine, self.tp, group)),))
             owner = call(aten.div.Tensor_mode, (rows, self.rows), {"rounding_mode": "floor"})
             block = call(aten.mul.Tensor, (owner, kept.rows))
-            picked = call(aten.index.Tensor, (gathered, [call(aten.add.Tensor, (block, self._iota(kept.rows, val)))]))
+            picked = call(
+                aten.index.Tensor, (gathered, [call(aten.add.Tensor, (block, self._iota(kept.rows, val.device)))])
+            )
             picked = call(aten.view.dtype, (picked, val.dtype)) if exit_.as_bytes else picked
-            token_sizes = [kept.count if d == kept.dim else sizes[d] for d in range(k)]  # static: K is
+            token_sizes = [kept.count if d == kept.dim else sizes[d] for d in range(k)]  # ints: K is static
             out = call(aten.reshape.default, (picked, [*token_sizes, *rest]))
         kept.slice.replace_all_uses_with(out)
         self.graph.erase_node(kept.slice)
@@ -293,11 +295,10 @@ class _Emitter:
             index = steps
         return index
 
-    def _iota(self, count: int, device: Any, start: Any = 0, step: Any = 1) -> fx.Node:
-        """``start + step * arange(count)``, int64 on ``device`` (or a value's): ``prims.iota``, which Inductor
-        lowers (``aten.arange`` and ``aten.clamp`` or ``aten.index_select`` it expects decomposed before the
-        post-grad passes: none of them may be emitted here)."""
-        device = device.device if isinstance(device, torch.Tensor) else device
+    def _iota(self, count: int, device: torch.device, start: Any = 0, step: Any = 1) -> fx.Node:
+        """``start + step * arange(count)``, int64: ``prims.iota``, which Inductor lowers (``aten.arange``, like
+        ``aten.clamp`` and ``aten.index_select``, it expects decomposed before the post-grad passes: none of them may
+        be emitted here)."""
         kwargs = {"start": start, "step": step, "dtype": torch.int64, "device": device, "requires_grad": False}
         return self.graph.call_function(torch.ops.prims.iota.default, (count,), kwargs)
 
