@@ -166,3 +166,18 @@ def test_a_region_its_tail_breaks_is_built_without_it(monkeypatch: pytest.Monkey
     assert sp.applied == 2 * LAYERS + 1, sp.notes
     assert (sp.facts["cuts"], sp.facts["tail"], sp.facts["kept_rows_gathers"]) == (0, 0, 0), sp.notes
     assert_exact(sharded, 10, 1, "norm")
+
+
+def test_fp8_codes_and_scales_are_gathered_in_their_kept_rows_as_bytes() -> None:
+    """The norm quantised per token before the kept row: the codes (as bytes: gloo has no FP8) and the scales are
+    each gathered in their kept row, exactly (codes and scales are the same bytes whichever rank made them)."""
+    sharded = capture(1, "fp8", 10, 2)
+    sp = sharded.report.record("sp_rewrite")
+    assert (sp.facts["cuts"], sp.facts["kept_rows_gathers"]) == (0, 2), sp.notes
+    bytes_gathered = [
+        node.args[0].meta["val"].dtype
+        for node in sharded.graphs[0].graph.nodes
+        if node.target is GATHER and node.args[0].meta["val"].shape[0] == 1
+    ]
+    assert sorted(map(str, bytes_gathered)) == ["torch.float32", "torch.uint8"], bytes_gathered
+    assert_exact(sharded, 10, 1, "fp8")

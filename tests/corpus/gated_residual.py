@@ -21,6 +21,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .quants import quant_reference
+
 
 def norm_rsqrt(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -139,8 +141,9 @@ class SwiGLU(nn.Module):
 
 
 WINDOWS = ("front_pad", "own_padding", "centred")
-# before the kept rows: a final RMS norm (row-local), centring over the tokens (not), or both side by side
-TAILS = ("norm", "centred", "both")
+# before the kept rows: a final RMS norm (row-local), centring over the tokens (not), both side by side, or the norm
+# quantised per token to FP8 (the kept rows of its codes and scales dequantised)
+TAILS = ("norm", "centred", "both", "fp8")
 
 
 class UserHC(nn.Module):
@@ -183,14 +186,17 @@ class UserHC(nn.Module):
         return F.linear(out, self.head)
 
     def kept_rows(self, out: torch.Tensor) -> torch.Tensor:
-        """The last ``keep`` rows of the final mixer's output ``[T, S]``: RMS-normed, centred over the tokens, or
-        both (``[2*keep, S]``)."""
+        """The last ``keep`` rows of the final mixer's output ``[T, S]``: RMS-normed, centred over the tokens, both
+        (``[2*keep, S]``), or RMS-normed through FP8 codes and scales."""
         if self.tail == "norm":
             return norm_rsqrt(out, self.final_norm, 1e-6)[-self.keep :]
         if self.tail == "centred":
             return (out - out.mean(0, keepdim=True))[-self.keep :]
         if self.tail == "both":
             return torch.cat([norm_rsqrt(out, self.final_norm, 1e-6)[-self.keep :], (out - out.mean(0))[-self.keep :]])
+        if self.tail == "fp8":
+            codes, scales = quant_reference(norm_rsqrt(out, self.final_norm, 1e-6))
+            return (codes[-self.keep :].float() * scales[-self.keep :]).to(out.dtype)
         raise ValueError(f"tail must be one of {TAILS}, got {self.tail!r}")
 
     def token_window(self, x: torch.Tensor) -> torch.Tensor:

@@ -421,4 +421,17 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_sp_kept_rows.py",),
         k="without_it",
     ),
+    Mutant(
+        name="kept_fp8_codes_sent_as_fp8",
+        fault="an FP8 exit's kept rows travel as FP8, which gloo cannot send, instead of bytes",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""            source = call(aten.view.dtype, (node, torch.uint8)) if exit_.as_bytes else node
+            local = call(aten.remainder.Scalar, (rows, self.rows))
+""",
+        new="""            source = node  # "the all-gather moves any dtype"
+            local = call(aten.remainder.Scalar, (rows, self.rows))
+""",
+        tests=("tests/test_sp_kept_rows.py",),
+        k="fp8",
+    ),
 )
