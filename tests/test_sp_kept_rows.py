@@ -13,8 +13,8 @@ import pytest
 import torch
 from corpus.gated_residual import UserHC
 from harness import simulate
-from harness.reference import RankGraphs, assert_same_as_sp_off, capture_with_passes, collective_counts
-from test_sp_rewrite import with_tokens  # the captured inputs with other ids and their symbolic T
+from harness.reference import RankGraphs, capture_with_passes, collective_counts
+from test_sp_rewrite import assert_exact_at, with_tokens  # with_tokens: the captured inputs with other ids
 
 from hcpasses.config import HCPassesConfig
 
@@ -53,13 +53,7 @@ def assert_exact(sharded: RankGraphs, tokens: int, keep: int, tail: str) -> None
     with torch.no_grad():
         expected = model(keep, tail)(ids)
     assert expected.shape[0] == min(keep, tokens) * (2 if tail == "both" else 1)
-    unsharded = sharded.sp_off()
-    inputs = [with_tokens(list(sharded.inputs[r]), gm, ids) for r, gm in enumerate(sharded.graphs)]
-    off_inputs = [with_tokens(list(unsharded.inputs[r]), gm, ids) for r, gm in enumerate(unsharded.graphs)]
-    outputs = simulate(sharded.graphs, inputs)
-    for got, want in zip(outputs, simulate(unsharded.graphs, off_inputs), strict=True):
-        assert_same_as_sp_off(got, want, eager=[expected])
-        torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+    assert_exact_at(sharded, ids, expected)
 
 
 def gathered_rows(gm: torch.fx.GraphModule) -> list[int]:

@@ -122,6 +122,13 @@ def run(graphs: RankGraphs, ids: torch.Tensor) -> list[list[torch.Tensor]]:
     )
 
 
+def assert_exact_at(sharded: RankGraphs, ids: torch.Tensor, expected: torch.Tensor) -> None:
+    """Every rank's first output on ``ids`` equals the SP-off graph's and ``expected`` (fp32: GEMM blocking only)."""
+    for got, want in zip(run(sharded, ids), run(sharded.sp_off(), ids), strict=True):
+        assert_same_as_sp_off(got, want, eager=[expected])
+        torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+
+
 @functools.lru_cache(maxsize=64)
 def reference_model(cfg: HCConfig) -> HCDecoder:
     return HCDecoder(cfg, tp_rank=0, tp_size=1)

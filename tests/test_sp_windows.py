@@ -12,7 +12,7 @@ import torch
 from corpus.gated_residual import UserHC
 from harness import simulate
 from harness.reference import RankGraphs, assert_same_as_sp_off, capture_with_passes, collective_counts
-from test_sp_rewrite import with_tokens  # the captured inputs with other ids and their symbolic T
+from test_sp_rewrite import assert_exact_at, with_tokens  # with_tokens: the captured inputs with other ids
 
 from hcpasses.config import HCPassesConfig
 
@@ -42,13 +42,7 @@ def assert_exact(sharded: RankGraphs, tokens: int, window: str) -> None:
     ids = ids_of(tokens)
     with torch.no_grad():
         expected = UserHC("rsqrt", LAYERS, CONV_LAYER, torch.float32, window=window)(ids)
-    unsharded = sharded.sp_off()
-    inputs = [with_tokens(list(sharded.inputs[r]), gm, ids) for r, gm in enumerate(sharded.graphs)]
-    off_inputs = [with_tokens(list(unsharded.inputs[r]), gm, ids) for r, gm in enumerate(unsharded.graphs)]
-    outputs = simulate(sharded.graphs, inputs)
-    for got, want in zip(outputs, simulate(unsharded.graphs, off_inputs), strict=True):
-        assert_same_as_sp_off(got, want, eager=[expected])
-        torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+    assert_exact_at(sharded, ids, expected)
 
 
 # tokens, tp: R >= the reach of 2 rows (9 at tp 2), R < it (7 at tp 4: R = 2, then 2 at tp 4: R = 1, two ranks with
