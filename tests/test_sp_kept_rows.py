@@ -52,7 +52,8 @@ def assert_exact(sharded: RankGraphs, tokens: int, keep: int, tail: str) -> None
     ids = ids_of(tokens)
     with torch.no_grad():
         expected = model(keep, tail)(ids)
-    assert expected.shape[0] == min(keep, tokens) * (2 if tail == "both" else 1)
+    rows = {"select": 64, "both": 2 * min(keep, tokens)}.get(tail, min(keep, tokens))  # select: [vocab] logits
+    assert expected.shape[0] == rows
     assert_exact_at(sharded, ids, expected)
 
 
@@ -175,3 +176,16 @@ def test_fp8_codes_and_scales_are_gathered_in_their_kept_rows_as_bytes() -> None
     ]
     assert sorted(map(str, bytes_gathered)) == ["torch.float32", "torch.uint8"], bytes_gathered
     assert_exact(sharded, 10, 1, "fp8")
+
+
+@pytest.mark.parametrize(("tail", "keep"), [("select", 1), ("before_last", 2)])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_select_of_the_last_row_or_rows_before_it_are_gathered_alone(tail: str, keep: int, dynamic: bool) -> None:
+    """``hidden[-1]`` (a select, not a slice) keeps one row, ``hidden[-3:-1]`` two counted from the end: each is
+    gathered alone, at a static and a symbolic token count."""
+    sharded = capture(keep, tail, 11, 2, min_tokens=5, dynamic=dynamic)
+    sp = sharded.report.record("sp_rewrite")
+    assert (sp.facts["cuts"], sp.facts["kept_rows_gathers"]) == (0, 1) and sp.facts["tail"] > 0, sp.notes
+    assert all(gathered_rows(gm)[-1] == keep for gm in sharded.graphs)
+    for tokens in (11, 5, 8) if dynamic else (11,):
+        assert_exact(sharded, tokens, keep, tail)

@@ -142,8 +142,9 @@ class SwiGLU(nn.Module):
 
 WINDOWS = ("front_pad", "own_padding", "centred")
 # before the kept rows: a final RMS norm (row-local), centring over the tokens (not), both side by side, or the norm
-# quantised per token to FP8 (the kept rows of its codes and scales dequantised)
-TAILS = ("norm", "centred", "both", "fp8")
+# quantised per token to FP8 (the kept rows of its codes and scales dequantised), the norm's last row selected, or
+# its ``keep`` rows before the last one
+TAILS = ("norm", "centred", "both", "fp8", "select", "before_last")
 
 
 class UserHC(nn.Module):
@@ -187,13 +188,18 @@ class UserHC(nn.Module):
 
     def kept_rows(self, out: torch.Tensor) -> torch.Tensor:
         """The last ``keep`` rows of the final mixer's output ``[T, S]``: RMS-normed, centred over the tokens, both
-        (``[2*keep, S]``), or RMS-normed through FP8 codes and scales."""
+        (``[2*keep, S]``), RMS-normed through FP8 codes and scales, the RMS-normed last row selected or the ``keep``
+        rows before it."""
         if self.tail == "norm":
             return norm_rsqrt(out, self.final_norm, 1e-6)[-self.keep :]
         if self.tail == "centred":
             return (out - out.mean(0, keepdim=True))[-self.keep :]
         if self.tail == "both":
             return torch.cat([norm_rsqrt(out, self.final_norm, 1e-6)[-self.keep :], (out - out.mean(0))[-self.keep :]])
+        if self.tail == "select":  # hidden[-1]: the last row alone, [S] (``keep`` is 1)
+            return norm_rsqrt(out, self.final_norm, 1e-6)[-1]
+        if self.tail == "before_last":  # hidden[-1 - keep : -1]
+            return norm_rsqrt(out, self.final_norm, 1e-6)[-1 - self.keep : -1]
         if self.tail == "fp8":
             codes, scales = quant_reference(norm_rsqrt(out, self.final_norm, 1e-6))
             return (codes[-self.keep :].float() * scales[-self.keep :]).to(out.dtype)

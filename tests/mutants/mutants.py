@@ -434,4 +434,15 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_sp_kept_rows.py",),
         k="fp8",
     ),
+    Mutant(
+        name="kept_select_keeps_its_dim",
+        fault="a select's kept row comes back with the selected dim still there (a slice's shape, not a select's)",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""            if kept.drops_dim:  # a select: its result has no such dim
+""",
+        new="""            if False:  # "a kept row is a kept row"
+""",
+        tests=("tests/test_sp_kept_rows.py",),
+        k="select and not True",
+    ),
 )

@@ -271,6 +271,8 @@ class _Emitter:
             )
             picked = call(aten.view.dtype, (picked, val.dtype)) if exit_.as_bytes else picked
             token_sizes = [kept.count if d == kept.dim else sizes[d] for d in range(k)]  # ints: K is static
+            if kept.drops_dim:  # a select: its result has no such dim
+                del token_sizes[kept.dim]
             out = call(aten.reshape.default, (picked, [*token_sizes, *rest]))
         kept.slice.replace_all_uses_with(out)
         self.graph.erase_node(kept.slice)

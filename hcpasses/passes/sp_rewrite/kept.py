@@ -1,5 +1,5 @@
 """Kept rows: a slice along a token dim that keeps a few rows of a region value (serving's ``logits_to_keep=1``:
-``hidden[:, -1:]`` before the LM head) needs only those rows, not a gather of all N.
+``hidden[:, -1:]`` before the LM head; or a select, ``hidden[:, -1]``) needs only those rows, not a gather of all N.
 
 ``kept_rows`` decides, from the slice's arguments and the value's token sizes, whether a slice is such a narrowing
 and which rows it keeps; the emission (``emit._Emitter._gather_kept``) gathers those rows alone: every rank sends
@@ -20,6 +20,7 @@ import torch.fx as fx
 from hcpasses.passes.sp_rewrite.rules import dim_arg
 
 aten = torch.ops.aten
+ROW_PICKS = (aten.slice.Tensor, aten.select.int)  # the ops that keep some rows of a dim by static bounds
 TO_THE_END = 2**62  # slice ends at or past this keep every row to the end (``x[-1:]`` ends at INT64_MAX)
 
 
@@ -28,7 +29,8 @@ class KeptRows:
     """``slice`` keeps ``count`` rows of token dim ``dim`` of a region value with ``k`` token dims: from index
     ``first`` on, counted from the dim's end where ``from_end`` (``x[:, -1:]``: first 1, from the end). The other
     token dims are static, so the kept rows are ``rows`` = count * their sizes. ``least``: the size the dim must have
-    for the slice to keep ``count`` rows (asserted in the graph when the token count is symbolic)."""
+    for the slice to keep ``count`` rows (asserted in the graph when the token count is symbolic). ``drops_dim``: a
+    select, whose result has no dim ``dim``."""
 
     slice: fx.Node
     dim: int
@@ -38,6 +40,7 @@ class KeptRows:
     count: int
     rows: int
     least: int
+    drops_dim: bool = False
 
 
 def kept_rows(
@@ -49,7 +52,7 @@ def kept_rows(
     Narrowing pays when the ``tp * K`` rows it gathers are fewer than N. With a symbolic N, only a static K counts
     (a slice by static bounds: ``x[-k:]`` or ``x[a:b]``), and only where every N the sharded graph runs on
     (N >= ``min_tokens``) has as many rows along the dim as the slice needs, as the emitted graph asserts."""
-    if node.target is not aten.slice.Tensor or k is None:
+    if node.target not in ROW_PICKS or k is None:
         return None
     dim = dim_arg(node)
     if not isinstance(dim, int) or not 0 <= dim % len(shape) < k:
@@ -83,11 +86,17 @@ def kept_rows(
     if rows * tp >= fewest:
         of = fewest if isinstance(tokens, int) else f"as few as {fewest}"
         return f"keeps {rows} of {of} rows: {tp} copies of them are no fewer than all rows"
-    return KeptRows(node, dim, k, first, from_end, count, rows, least)
+    return KeptRows(node, dim, k, first, from_end, count, rows, least, node.target is aten.select.int)
 
 
 def _bounds(node: fx.Node) -> tuple[Any, Any, Any]:
-    """A ``slice.Tensor``'s start, end and step, their defaults where not given."""
+    """A ``slice.Tensor``'s start, end and step, their defaults where not given; a ``select.int``'s as the slice of
+    its one row (``x[i]`` keeps what ``x[i:i + 1]`` does, ``x[-1]`` what ``x[-1:]`` does)."""
+    if node.target is aten.select.int:
+        index = node.args[2] if len(node.args) > 2 else node.kwargs["index"]
+        if not isinstance(index, int):
+            return index, None, 1
+        return index, (None if index == -1 else index + 1), 1
     given = {**dict(zip(("start", "end", "step"), node.args[2:], strict=False)), **node.kwargs}
     return given.get("start"), given.get("end"), given.get("step", 1)
 
@@ -100,6 +109,8 @@ def _static_bounds(size: Any, start: int, end: int) -> tuple[int, bool, int, int
         return kept.start, False, len(kept), size
     if start < 0 and end >= TO_THE_END:  # x[-c:]: the last c rows, given at least c
         return -start, True, -start, -start
+    if start < end < 0:  # x[-a:-b]: a - b rows from the a-th last, given at least a
+        return -start, True, end - start, -start
     if 0 <= start < end < TO_THE_END:  # x[a:b]: given at least b rows
         return start, False, end - start, end
     return None

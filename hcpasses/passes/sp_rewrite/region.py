@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
-from hcpasses.passes.sp_rewrite.kept import KeptRows, kept_rows
+from hcpasses.passes.sp_rewrite.kept import ROW_PICKS, KeptRows, kept_rows
 from hcpasses.passes.sp_rewrite.rules import SIZE_OPS, RowRules, dim_arg
 from hcpasses.passes.sp_rewrite.tokens import (
     Layout,
@@ -305,7 +305,7 @@ class _RegionBuilder:
         (they keep too many rows to gain, or rows a symbolic N may not have)."""
         after = descendants(self.graph, region) - region
         candidates = after - descendants(self.graph, refused) if refused else after
-        slices = {node: self._kept_verdict(node, tp) for node in after if node.target is aten.slice.Tensor}
+        slices = {node: self._kept_verdict(node, tp) for node in after if node.target in ROW_PICKS}
         tail = self._leading_to(candidates, lambda user: isinstance(slices.get(user), KeptRows))
         reading = region | self._leading_to(candidates, lambda user: slices.get(user) is not None)
         unkept = tuple(
