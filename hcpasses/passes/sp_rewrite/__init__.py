@@ -24,9 +24,10 @@ How the region is found:
   there) or an all-reduce, and that leads to a later collapse. Values the region computes but others
   use (the sub-layer input, the final mixer output, a returned HC state) are gathered.
 - Kept rows (``kept``): a value read only by slices that keep a few of its token rows (``logits_to_keep=1``:
-  ``hidden[:, -1:]`` before the LM head; a select, ``hidden[:, -1]``) is gathered in those rows alone, ``tp * K`` rows instead of N; nodes after
-  the HC blocks that lead only to such slices (a final norm) join the region as its tail, and one the checks refuse
-  goes back outside with what feeds it (the gather moves back before it; no block is cut)::
+  ``hidden[:, -1:]`` before the LM head; a select, ``hidden[:, -1]``) is gathered in those rows alone, ``tp * K``
+  rows instead of N; nodes after the HC blocks that lead only to such slices (a final norm) join the region as its
+  tail, and one the checks refuse goes back outside with what feeds it (the gather moves back before it; no block
+  is cut)::
 
       h[R] -> final mixer -> norm -> all_gather(row r % R of each kept row r) -> the holders' rows [K] -> lm_head
 
