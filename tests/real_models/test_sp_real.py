@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 from harness import passes_run_every_compile, simulate
-from harness.reference import assert_same_as_sp_off, capture_with_passes, collective_counts, fused_op_count
+from harness.reference import RankGraphs, assert_same_as_sp_off, capture_with_passes, collective_counts, fused_op_count
 from hf_cases import FAMILIES, ONE_LAYER, logits, token_ids
 
 from hcpasses.config import HCPassesConfig
@@ -132,13 +132,7 @@ def test_qwen4_exp_ple_runs_on_the_shards(tokens: int) -> None:
     assert sp.status == "applied" and sp.applied == 5, graphs.report  # 2 HC blocks per layer and the final mixer
     assert (sp.facts["cuts"], sp.facts["halos"], sp.facts["streams_gathered"]) == (0, 1, 0), sp.notes
     assert sp.facts["hoisted"] > 0, sp.notes
-    outputs = simulate(graphs.graphs, graphs.inputs)
-    unsharded = graphs.sp_off()
-    for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
-        assert_same_as_sp_off(got, want)
-    expected = logits(build_ple(), ids)
-    for (actual,) in outputs:
-        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    assert_like_sp_off_and_eager(graphs, logits(build_ple(), ids))
 
 
 class KeptLogits(Logits):
@@ -167,11 +161,16 @@ def test_logits_to_keep_gathers_only_the_last_row_of_each_sequence(family: str, 
     gather = torch.ops._c10d_functional.all_gather_into_tensor.default
     last = [node for node in graphs.graphs[1].graph.nodes if node.target is gather][-1]
     assert last.args[0].meta["val"].shape[0] == 2  # one kept row per sequence from each rank
+    expected = KeptLogits(build(family, False))(ids)
+    assert expected.shape[:2] == (2, 1)
+    assert_like_sp_off_and_eager(graphs, expected)
+
+
+def assert_like_sp_off_and_eager(graphs: RankGraphs, expected: torch.Tensor) -> None:
+    """Every rank's logits equal the SP-off graph's and ``expected`` (eager's, fp32: GEMM blocking only)."""
     outputs = simulate(graphs.graphs, graphs.inputs)
     unsharded = graphs.sp_off()
     for got, want in zip(outputs, simulate(unsharded.graphs, unsharded.inputs), strict=True):
         assert_same_as_sp_off(got, want)
-    expected = KeptLogits(build(family, False))(ids)
-    assert expected.shape[:2] == (2, 1)
     for (actual,) in outputs:
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)

@@ -284,18 +284,14 @@ class _RegionBuilder:
         feed. Only nodes after the start (``live[0]``; their shards need the row count, computed from it), never a
         collective. Nodes the checks refuse are dropped again (``_left_out``)."""
         inside = region | set(live)
-        hoisted: set[fx.Node] = set()
-        for node in reversed(self.graph.nodes):  # users before producers
-            if self.order[node] <= self.order[live[0]]:
-                break
-            if node in inside or node not in self.from_ids or node.op != "call_function" or _is_collective(node):
-                continue
-            val = value_of(node)
-            if not isinstance(val, torch.Tensor) or self.rules.dims(node) is None:
-                continue
-            if node.users and all(user in inside or user in hoisted for user in node.users):
-                hoisted.add(node)
-        return hoisted
+        candidates = {
+            node
+            for node in self.from_ids - inside
+            if self.order[node] > self.order[live[0]]
+            and isinstance(value_of(node), torch.Tensor)
+            and self.rules.dims(node) is not None
+        }
+        return self._leading_to(candidates, inside.__contains__)
 
     def _tail(self, region: set[fx.Node], refused: set[fx.Node], tp: int) -> tuple[set[fx.Node], tuple[str, ...]]:
         """Nodes after the ``region`` that lead only to slices keeping a few token rows (``kept_rows``): a final norm
