@@ -145,6 +145,10 @@ WINDOWS = ("front_pad", "own_padding", "centred")
 # quantised per token to FP8 (the kept rows of its codes and scales dequantised), the norm's last row selected, or
 # its ``keep`` rows before the last one
 TAILS = ("norm", "centred", "both", "fp8", "select", "before_last")
+# what a sub-layer does to its HC block's x before its GEMMs: nothing; an RMS norm cast to the bf16 of the sub-layer's
+# weights (narrower than the fp32 x); the norm in fp32 (no narrower); the bf16 norm beside a gate read off x itself;
+# centring over the tokens, then the bf16 cast (not row-local)
+PROLOGUES = ("none", "norm_bf16", "norm", "branch", "centred_bf16")
 
 
 class UserHC(nn.Module):
@@ -162,17 +166,24 @@ class UserHC(nn.Module):
         window: str = "front_pad",
         keep: int = 0,
         tail: str = "norm",
+        prologue: str = "none",
     ) -> None:
         super().__init__()
+        if prologue not in PROLOGUES:
+            raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
         g = torch.Generator().manual_seed(0)
         self.n, self.conv_layer, self.window, self.keep, self.tail = n, conv_layer, window, keep, tail
+        self.prologue = prologue
+        inner_dtype = torch.bfloat16 if prologue.endswith(("bf16", "branch")) else dtype
         self.embed = _frozen(torch.randn(vocab, hidden, generator=g), dtype)
         self.blocks = nn.ModuleList(GatedResidual(n, hidden, 8, norm, g, dtype) for _ in range(2 * layers))
-        self.sublayers = nn.ModuleList(SwiGLU(hidden, 64, tp, rank, g, dtype) for _ in range(2 * layers))
+        self.sublayers = nn.ModuleList(SwiGLU(hidden, 64, tp, rank, g, inner_dtype) for _ in range(2 * layers))
         self.final = GatedResidual(n, hidden, 8, norm, g, dtype)
         self.conv = _frozen(torch.randn(n * hidden, 1, 3, generator=g) * 0.3, dtype)
         self.head = _frozen(torch.randn(vocab, hidden, generator=g) * hidden**-0.5, dtype)
         self.final_norm = _frozen(1.0 + 0.1 * torch.randn(hidden, generator=g), dtype)
+        # drawn last: the models without a prologue keep the weights they had
+        self.sublayer_norm = _frozen(1.0 + 0.1 * torch.randn(hidden, generator=g), dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed[ids].repeat(1, self.n)
@@ -180,7 +191,10 @@ class UserHC(nn.Module):
             if index == 2 * (self.conv_layer if self.conv_layer is not None else -1):
                 h = h + self.token_window(h.t().unsqueeze(0))[0].t()
             x, inject = block(h)
-            h = block.combine(h, sublayer(self.sublayer_input(index, x)), inject)
+            y = sublayer(self.sublayer_input(index, self.before_gemms(x)))
+            if self.prologue == "branch":  # a gate read off x itself (by a scan: no prologue step), beside its norm
+                y = y * torch.sigmoid(x.cumsum(-1))
+            h = block.combine(h, y, inject)
         out = self.final(h)[0]
         if self.keep:
             out = self.kept_rows(out)
@@ -217,6 +231,15 @@ class UserHC(nn.Module):
         if self.window == "centred":
             return F.conv1d(F.pad(x, (1, 1)), self.conv, groups=channels)
         raise ValueError(f"window must be one of {WINDOWS}, got {self.window!r}")
+
+    def before_gemms(self, x: torch.Tensor) -> torch.Tensor:
+        """The sub-layer's steps on x before its GEMMs, as ``PROLOGUES`` lists them."""
+        if self.prologue == "none":
+            return x
+        if self.prologue == "centred_bf16":
+            return (x - x.mean(0, keepdim=True)).to(torch.bfloat16)
+        normed = norm_rsqrt(x, self.sublayer_norm, 1e-6)
+        return normed if self.prologue == "norm" else normed.to(torch.bfloat16)
 
     def sublayer_input(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """What sub-layer ``index`` reads of its HC block's x (subclasses quantise it)."""

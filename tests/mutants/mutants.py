@@ -445,4 +445,26 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_sp_kept_rows.py",),
         k="select and not True",
     ),
+    Mutant(
+        name="prologue_ignores_bytes",
+        fault="a sub-layer's prologue joins the region whatever it leaves to gather (x gathered beside its norm)",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""        return grown if sum(after) < sum(_row_bytes(node, self.rules) for node in feeding) else set()
+""",
+        new="""        return grown  # "on the shards is always cheaper"
+""",
+        tests=("tests/test_sp_prologue.py",),
+        k="branch or narrows",
+    ),
+    Mutant(
+        name="prologue_takes_gemms",
+        fault="a sub-layer's prologue runs its GEMMs on the shards too: a TP-sharded GEMM's rows are gathered",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""    return node.target in PROLOGUE_OPS or is_pointwise(node)
+""",
+        new="""    return node.target in PROLOGUE_OPS or is_pointwise(node) or node.target is aten.mm.default
+""",
+        tests=("tests/test_sp_prologue.py",),
+        k="16-2",
+    ),
 )

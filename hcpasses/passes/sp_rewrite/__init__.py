@@ -33,6 +33,15 @@ How the region is found:
 
   Only where the tp * K rows are fewer than N (with a symbolic N: than ``sp_min_tokens``, which must also leave the
   slice its rows; the graph asserts it). The report names the slices that read every row all the same, and why.
+- Prologues (``region._prologue``): row-local steps between a region value and the sub-layer's GEMMs (an RMS norm
+  and its cast to the GEMM's dtype, after an mHC collapse summed in fp32) run on the shards where that leaves fewer
+  bytes per token to gather, and the gather moves their narrower result (a norm on the shards, as in Megatron's
+  sequence parallelism)::
+
+      x[R] fp32 -> norm -> cast -> all_gather -> x'[T] bf16 -> GEMMs      (was: all_gather(x) fp32 -> norm -> cast)
+
+  Pointwise steps, reductions and views alone, reading region values and values without tokens (the norm's
+  weight); never a GEMM (its weight may be a TP shard). A step the checks refuse stays outside with what it feeds.
 - Tokens are the leading dims of the values a region shards, reduce-scatters and gathers: ``[T, ...]``
   (vLLM style) or ``[batch, seq, ...]`` (transformers); token i is row i of the value flattened over
   them. N = batch*seq is what is sharded; a shard keeps the rank, its token dims become ``[1, ..., 1,
@@ -197,6 +206,7 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         for kept in exit_.kept
     ]
     unkept = [why for region in plan.regions for why in region.unkept]
+    narrowed = [value for region in plan.regions for value in region.prologue]
     return [
         *notes,
         *(f"region cut at {cut}" for cut in plan.cuts),
@@ -211,6 +221,8 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         f"values gathered only in the rows a token slice keeps (logits_to_keep): {', '.join(kept) or 'none'}",
         f"nodes after the HC blocks run on the shards, before those slices (a final norm): "
         f"{sum(r.tail for r in plan.regions)}",
+        f"sub-layer inputs gathered past their row-local prologue, narrower (a norm and its cast before the GEMMs): "
+        f"{', '.join(narrowed) or 'none'}",
         *(
             [f"slices along the tokens that read every row all the same (gathered): {'; '.join(unkept)}"]
             if unkept
@@ -250,5 +262,6 @@ def _plan_facts(plan: Plan) -> dict[str, int]:
         "hoisted": sum(region.hoisted for region in plan.regions),
         "kept_rows_gathers": sum(len(exit_.kept) for exit_ in exits),
         "tail": sum(region.tail for region in plan.regions),
+        "prologue_gathers": sum(len(region.prologue) for region in plan.regions),
         "cuts": len(plan.cuts),
     }

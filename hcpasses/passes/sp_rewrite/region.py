@@ -23,7 +23,7 @@ import torch.fx as fx
 from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
 from hcpasses.passes.sp_rewrite.kept import ROW_PICKS, KeptRows, kept_rows
-from hcpasses.passes.sp_rewrite.rules import SIZE_OPS, RowRules, dim_arg
+from hcpasses.passes.sp_rewrite.rules import REDUCTIONS, SIZE_OPS, RowRules, dim_arg, is_pointwise
 from hcpasses.passes.sp_rewrite.tokens import (
     Layout,
     Size,
@@ -42,6 +42,7 @@ from hcpasses.rows import rows_per_rank
 aten = torch.ops.aten
 SYM_SIZE = torch.ops.aten.sym_size.int
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+PROLOGUE_OPS = {*REDUCTIONS, *SIZE_OPS, aten.unsqueeze.default, aten.squeeze.dim, aten.permute.default}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,7 @@ class Region:
     identity_slices: tuple[fx.Node, ...] = ()  # slices that keep every row of a token dim: dropped on shards
     hoisted: int = 0  # nodes on features of the token ids that run on the shards instead of all rows
     tail: int = 0  # nodes after the HC blocks that lead only to kept rows (a final norm) and run on the shards
+    prologue: tuple[str, ...] = ()  # sub-layer inputs gathered narrower, past the row-local steps before their GEMMs
     unkept: tuple[str, ...] = ()  # slices along the tokens after the region that read every row, and why
 
     def __post_init__(self) -> None:
@@ -238,16 +240,19 @@ class _RegionBuilder:
         with_tail: bool = True,
     ) -> Region | NotShardable:
         """The region from ``start`` to the ``collapses`` and to ``sinks`` (the inputs of the node that cuts it:
-        the region runs up to that node, which reads them gathered), checked node by node. Its tail (``_tail``)
-        never cuts it: a region that fails with one is tried again without (``with_tail``)."""
+        the region runs up to that node, which reads them gathered), checked node by node. Its tail (``_tail``) and
+        its sub-layers' prologues (``_prologue``) never cut it: a region that fails with them is tried again without
+        (``with_tail``)."""
         live = [start, *(m.wait for m in reduces)]  # values the region reads in full (start) or replaces (waits)
         sinks = list(sinks)
         reached = self._reach(collapses, live, sinks)
         hoisted = self._hoistable(reached, live)
         refused_tail: set[fx.Node] = set()
         tail, unkept = self._tail(reached, refused_tail, reduces[0].group.size) if with_tail else (set(), ())
+        refused_prologue: set[fx.Node] = set()
+        prologue = self._prologue(reached | hoisted | tail, refused_prologue) if with_tail else set()
         while True:
-            nodes = reached | hoisted | tail
+            nodes = reached | hoisted | tail | prologue
             sources = self._sources(hoisted, nodes)
             layouts: dict[fx.Node, Layout] = {}
             entries = [Entry(user, source) for source in sources for user in source.users if user in nodes]
@@ -259,22 +264,27 @@ class _RegionBuilder:
             verdict = next((verdict for verdict in verdicts if verdict), None)
             unhoisted = _left_out(verdict, hoisted) if verdict else set()
             untailed = _left_out(verdict, tail) if verdict else set()
-            if not (unhoisted or untailed):
+            unprologued = _left_out(verdict, prologue) if verdict else set()
+            if not (unhoisted or untailed or unprologued):
                 break
             # Computed on all rows again, outside the region; each retry drops at least one node, so the loop ends.
             hoisted -= unhoisted
             if with_tail:
                 refused_tail |= untailed
                 tail, unkept = self._tail(reached, refused_tail, reduces[0].group.size)
+                refused_prologue |= unprologued
+                prologue = self._prologue(reached | hoisted | tail, refused_prologue)
         entries.sort(key=lambda entry: self.order[entry.user])
         region = verdict or self._resolve(
             start, why_start, frozenset(nodes), reduces, collapses, tuple(entries), layouts
         )
-        if isinstance(region, NotShardable) and tail:  # a tail never cuts a region: try again without it
+        if isinstance(region, NotShardable) and (tail or prologue):  # neither cuts a region: try again without
             return self._region(collapses, start, reduces, sinks, why_start, with_tail=False)
         if isinstance(region, NotShardable):
             return region
-        return dataclasses.replace(region, hoisted=len(hoisted), tail=len(tail), unkept=unkept)
+        return dataclasses.replace(
+            region, hoisted=len(hoisted), tail=len(tail), unkept=unkept, prologue=self._narrowed(region, prologue)
+        )
 
     def _hoistable(self, region: set[fx.Node], live: list[fx.Node]) -> set[fx.Node]:
         """Nodes outside ``region`` that compute features of the token ids (descendants of integer inputs) for it
@@ -320,6 +330,57 @@ class _RegionBuilder:
             if node.users and all(user in found or ends(user) for user in node.users):
                 found.add(node)
         return found
+
+    def _prologue(self, region: set[fx.Node], refused: set[fx.Node]) -> set[fx.Node]:
+        """Row-local steps after the ``region`` that its values flow through before the sub-layers' GEMMs read them
+        (an RMS norm and its cast to the GEMM's dtype: deepseek_v4 sums its mHC collapse in fp32), taken into the
+        region where that leaves fewer bytes per token to gather: on the shards they run on 1/tp of the rows, and
+        the gather moves the narrower value (Megatron's sequence parallelism runs its norms on the shards too).
+
+        A step is pointwise, a reduction, a view or a dim op of the leading dims (no GEMM, no token index: a GEMM's
+        weight may be a TP shard, whose rows would differ between ranks), reading region values and values without
+        tokens alone (a norm's weight: replicated like the HC weights, DESIGN §3). From every such step, steps are
+        dropped while one that outside nodes read is no narrower than what gathering its inputs instead would cost
+        (with what it feeds); then all, unless the gather leaves strictly fewer bytes per token. Nodes the checks
+        ``refused`` and what they feed stay outside."""
+        grown: set[fx.Node] = set()
+        for node in self.graph.nodes:
+            if node in region or node in refused or not _is_prologue_step(node):
+                continue
+            operands = tensor_operands(node.args)
+            inside = [arg for arg in operands if arg in region or arg in grown]
+            if inside and all(arg in inside or self._without_tokens(arg) for arg in operands):
+                grown.add(node)
+        while True:
+            inside = region | grown
+            drop = next((node for node in self._ordered(grown) if not self._narrows(node, inside)), None)
+            if drop is None:
+                break
+            grown -= descendants(self.graph, [drop])
+        feeding = {arg for node in grown for arg in node.all_input_nodes if arg in region}  # gathered today
+        inside = region | grown
+        after = [_row_bytes(node, self.rules) for node in feeding | grown if _read_outside(node, inside)]
+        return grown if sum(after) < sum(_row_bytes(node, self.rules) for node in feeding) else set()
+
+    def _narrows(self, node: fx.Node, inside: set[fx.Node]) -> bool:
+        """A prologue step that nodes outside read (it would be gathered) moves fewer bytes per token than the
+        inputs that would be gathered in its place (those not gathered anyway); one read inside only is kept."""
+        if not _read_outside(node, inside):
+            return True
+        instead = [arg for arg in node.all_input_nodes if arg in inside and not _read_outside(arg, inside)]
+        return _row_bytes(node, self.rules) < sum(_row_bytes(arg, self.rules) for arg in instead)
+
+    def _narrowed(self, region: Region, prologue: set[fx.Node]) -> tuple[str, ...]:
+        """Each gathered prologue value, as the report names it: ``name (dtype [per-token shape])``."""
+        values = [(exit.value, value_of(exit.value)) for exit in region.exits if exit.value in prologue]
+        return tuple(f"{node.name} ({val.dtype} {list(val.shape[region.dims[node] :])})" for node, val in values)
+
+    def _without_tokens(self, node: fx.Node) -> bool:
+        """A value outside every region that holds no tokens: a weight, a constant, a scalar."""
+        return node not in self.rules.token_carriers and self.rules.dims(node) is None
+
+    def _ordered(self, nodes: Iterable[fx.Node]) -> list[fx.Node]:
+        return sorted(nodes, key=self.order.__getitem__)
 
     def _kept_verdict(self, node: fx.Node, tp: int) -> KeptRows | str | None:
         """``kept_rows`` of a slice, read off its input's value (its leading token dims)."""
@@ -518,6 +579,29 @@ def _left_out(verdict: NotShardable, optional: set[fx.Node]) -> set[fx.Node]:
         return set()
     refused = {node} if node in optional else {*node.users, *node.all_input_nodes} & optional
     return (ancestors(refused) & optional) | refused
+
+
+def _is_prologue_step(node: fx.Node) -> bool:
+    """A step a sub-layer's prologue may take on the shards: pointwise, a reduction, a view, a dim op of the
+    leading dims (the checks decide which dims)."""
+    if node.op != "call_function" or _is_collective(node) or not isinstance(value_of(node), torch.Tensor):
+        return False
+    return node.target in PROLOGUE_OPS or is_pointwise(node)
+
+
+def _read_outside(node: fx.Node, inside: set[fx.Node]) -> bool:
+    """Whether a node outside ``inside`` reads ``node``'s value (a token size read excepted: it is no gather)."""
+    return any(user not in inside and user.target is not SYM_SIZE for user in node.users)
+
+
+def _row_bytes(node: fx.Node, rules: RowRules) -> float:
+    """Bytes per token of ``node``'s value (its sizes after the leading token dims); infinite where they are not
+    known (tokens not leading, a symbolic size): such a value is never chosen to be gathered instead."""
+    val = value_of(node)
+    k = rules.dims(node) if isinstance(val, torch.Tensor) else None
+    if k is None or not all(isinstance(size, int) for size in val.shape[k:]):
+        return math.inf
+    return math.prod(val.shape[k:]) * val.element_size()
 
 
 def _is_collective(node: fx.Node) -> bool:

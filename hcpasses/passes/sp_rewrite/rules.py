@@ -97,7 +97,7 @@ class RowRules:
             layout = self._item(node, layouts)
         elif node.target in FUSED_COLLAPSES:
             layout = self._per_token(node, layouts)
-        elif _is_pointwise(node):
+        elif is_pointwise(node):
             layout = self._broadcast(node, layouts)
         else:
             return NotShardable("not known to be row-local", node)
@@ -152,7 +152,7 @@ class RowRules:
         Sound whatever ``operand`` is: the values a region passes on (the streams, the gathered sub-layer
         inputs, the exits) are replicated across the group (DESIGN §3), so they are the same whichever rank's
         copy of ``operand`` computed which rows."""
-        if node not in layouts or not _is_pointwise(node) or layouts[node].halo:
+        if node not in layouts or not is_pointwise(node) or layouts[node].halo:
             return False
         val, out = value_of(operand), first_tensor(value_of(node))
         lead = leading_layout(val, self.tokens)
@@ -182,7 +182,7 @@ class RowRules:
         return None
 
 
-def _is_pointwise(node: fx.Node) -> bool:
+def is_pointwise(node: fx.Node) -> bool:
     return node.target in ELEMENTWISE or (
         isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
     )
