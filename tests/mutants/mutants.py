@@ -465,6 +465,16 @@ MUTANTS: tuple[Mutant, ...] = (
         new="""    return node.target in PROLOGUE_OPS or is_pointwise(node) or node.target is aten.mm.default
 """,
         tests=("tests/test_sp_prologue.py",),
-        k="16-2",
+        k="16-8",
+    ),
+    Mutant(
+        name="prologue_drop_takes_later_blocks",
+        fault="a prologue step dropped in one block takes every later block's steps with it (all its descendants)",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""            grown -= self._fed_by(drop, grown)
+""",
+        new="""            grown -= descendants(self.graph, [drop])
+""",
+        tests=("tests/real_models/test_sp_prologue_real.py",),
     ),
 )

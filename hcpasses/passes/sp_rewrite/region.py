@@ -356,11 +356,20 @@ class _RegionBuilder:
             drop = next((node for node in self._ordered(grown) if not self._narrows(node, inside)), None)
             if drop is None:
                 break
-            grown -= descendants(self.graph, [drop])
+            grown -= self._fed_by(drop, grown)
         feeding = {arg for node in grown for arg in node.all_input_nodes if arg in region}  # gathered today
         inside = region | grown
         after = [_row_bytes(node, self.rules) for node in feeding | grown if _read_outside(node, inside)]
         return grown if sum(after) < sum(_row_bytes(node, self.rules) for node in feeding) else set()
+
+    def _fed_by(self, node: fx.Node, steps: set[fx.Node]) -> set[fx.Node]:
+        """``node`` and the ``steps`` that read it through steps (not the later blocks' steps, which read it through
+        the region)."""
+        fed = {node}
+        for step in self._ordered(steps):
+            if any(arg in fed for arg in step.all_input_nodes):
+                fed.add(step)
+        return fed
 
     def _narrows(self, node: fx.Node, inside: set[fx.Node]) -> bool:
         """A prologue step that nodes outside read (it would be gathered) moves fewer bytes per token than the
@@ -376,8 +385,10 @@ class _RegionBuilder:
         return tuple(f"{node.name} ({val.dtype} {list(val.shape[region.dims[node] :])})" for node, val in values)
 
     def _without_tokens(self, node: fx.Node) -> bool:
-        """A value outside every region that holds no tokens: a weight, a constant, a scalar."""
-        return node not in self.rules.token_carriers and self.rules.dims(node) is None
+        """A value outside the region that carries no tokens by what it is computed from (a weight, a constant; its
+        shape is no guide: a norm weight [S] looks like tokens where S = N). That the step broadcasts it over the
+        rows is checked with the region (``RowRules.check_operand``)."""
+        return node not in self.rules.token_carriers and not isinstance(value_of(node), (list, tuple))
 
     def _ordered(self, nodes: Iterable[fx.Node]) -> list[fx.Node]:
         return sorted(nodes, key=self.order.__getitem__)
