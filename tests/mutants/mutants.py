@@ -471,9 +471,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="prologue_drop_takes_later_blocks",
         fault="a prologue step dropped in one block takes every later block's steps with it (all its descendants)",
         file="hcpasses/passes/sp_rewrite/region.py",
-        old="""            grown -= self._fed_by(drop, grown)
+        old="""            grown -= self._fed_by(drops, grown)
 """,
-        new="""            grown -= descendants(self.graph, [drop])
+        new="""            grown -= descendants(self.graph, drops)
 """,
         tests=("tests/real_models/test_sp_prologue_real.py",),
     ),

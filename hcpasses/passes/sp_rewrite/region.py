@@ -351,21 +351,21 @@ class _RegionBuilder:
             inside = [arg for arg in operands if arg in region or arg in grown]
             if inside and all(arg in inside or self._without_tokens(arg) for arg in operands):
                 grown.add(node)
-        while True:
+        while True:  # a drop only makes more values gathered, so dropping all that fail at once is the same
             inside = region | grown
-            drop = next((node for node in self._ordered(grown) if not self._narrows(node, inside)), None)
-            if drop is None:
+            drops = {node for node in grown if not self._narrows(node, inside)}
+            if not drops:
                 break
-            grown -= self._fed_by(drop, grown)
+            grown -= self._fed_by(drops, grown)
         feeding = {arg for node in grown for arg in node.all_input_nodes if arg in region}  # gathered today
         inside = region | grown
         after = [_row_bytes(node, self.rules) for node in feeding | grown if _read_outside(node, inside)]
         return grown if sum(after) < sum(_row_bytes(node, self.rules) for node in feeding) else set()
 
-    def _fed_by(self, node: fx.Node, steps: set[fx.Node]) -> set[fx.Node]:
-        """``node`` and the ``steps`` that read it through steps (not the later blocks' steps, which read it through
-        the region)."""
-        fed = {node}
+    def _fed_by(self, nodes: set[fx.Node], steps: set[fx.Node]) -> set[fx.Node]:
+        """``nodes`` and the ``steps`` that read them through steps (not the later blocks' steps, which read them
+        through the region)."""
+        fed = set(nodes)
         for step in self._ordered(steps):
             if any(arg in fed for arg in step.all_input_nodes):
                 fed.add(step)
