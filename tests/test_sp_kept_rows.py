@@ -118,6 +118,19 @@ def test_a_slice_that_would_not_gather_fewer_rows_keeps_the_full_gather_and_says
         assert_exact(sharded, count, 5, "norm")
 
 
+def test_a_tensor_index_of_a_few_rows_is_gathered_in_full_and_the_report_says_why() -> None:
+    """``hidden[arange(T - 2, T)]``, a tensor index (a ragged batch's last tokens, vLLM's ``logits_indices``): which
+    rows it keeps is a run-time value, so the rows it reads are gathered in full, and the report names the index
+    and why, instead of staying silent."""
+    sharded = capture(2, "index", 10, 2)
+    sp = sharded.report.record("sp_rewrite")
+    assert (sp.facts["kept_rows_gathers"], sp.facts["cuts"]) == (0, 0), sp.notes
+    [full] = [note for note in sp.notes if note.startswith("slices along the tokens that read every row all the")]
+    assert "a tensor index keeping 2 of 10 rows: only slices and selects by static bounds are narrowed" in full, full
+    assert all(gathered_rows(gm) == [5] * ALL_GATHERS for gm in sharded.graphs)
+    assert_exact(sharded, 10, 2, "index")
+
+
 def test_a_final_step_across_the_tokens_stays_outside_and_costs_no_block() -> None:
     """Centring over the tokens before the kept row is not row-local: it is left out of the region again (not a
     cut: every HC block stays sharded), the final mixer's output is gathered in full for it, the logits are exact."""

@@ -142,9 +142,9 @@ class SwiGLU(nn.Module):
 
 WINDOWS = ("front_pad", "own_padding", "centred")
 # before the kept rows: a final RMS norm (row-local), centring over the tokens (not), both side by side, or the norm
-# quantised per token to FP8 (the kept rows of its codes and scales dequantised), the norm's last row selected, or
-# its ``keep`` rows before the last one
-TAILS = ("norm", "centred", "both", "fp8", "select", "before_last")
+# quantised per token to FP8 (the kept rows of its codes and scales dequantised), the norm's last row selected, its
+# ``keep`` rows before the last one, or its last ``keep`` rows picked by a tensor index
+TAILS = ("norm", "centred", "both", "fp8", "select", "before_last", "index")
 # what a sub-layer does to its HC block's x before its GEMMs: nothing; an RMS norm cast to the bf16 of the sub-layer's
 # weights (narrower than the fp32 x); the norm in fp32 (no narrower); the bf16 norm beside a gate read off x itself;
 # centring over the tokens, then the bf16 cast (not row-local)
@@ -214,6 +214,8 @@ class UserHC(nn.Module):
             return norm_rsqrt(out, self.final_norm, 1e-6)[-1]
         if self.tail == "before_last":  # hidden[-1 - keep : -1]
             return norm_rsqrt(out, self.final_norm, 1e-6)[-1 - self.keep : -1]
+        if self.tail == "index":  # hidden[indices]: the last ``keep`` rows by a tensor index (a ragged batch's way)
+            return norm_rsqrt(out, self.final_norm, 1e-6)[torch.arange(out.shape[0] - self.keep, out.shape[0])]
         if self.tail == "fp8":
             codes, scales = quant_reference(norm_rsqrt(out, self.final_norm, 1e-6))
             return (codes[-self.keep :].float() * scales[-self.keep :]).to(out.dtype)

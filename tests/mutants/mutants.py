@@ -477,4 +477,15 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         tests=("tests/real_models/test_sp_prologue_real.py",),
     ),
+    Mutant(
+        name="tensor_index_unreported",
+        fault="a tensor index keeping a few token rows reads every row gathered, and the report says nothing of it",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""        slices.update((node, why) for node in after if (why := self._indexed_verdict(node, tp)) is not None)
+""",
+        new="""        pass  # "only slices keep rows"
+""",
+        tests=("tests/test_sp_kept_rows.py",),
+        k="tensor_index",
+    ),
 )

@@ -89,6 +89,26 @@ def kept_rows(
     return KeptRows(node, dim, k, first, from_end, count, rows, least, node.target is aten.select.int)
 
 
+def indexed_rows(node: fx.Node, k: int | None, shape: Sequence[Any], tokens: Any, tp: int) -> str | None:
+    """Why a tensor index that picks a few token rows (``hidden[arange(B), lengths - 1]``: the last token of each
+    sequence of a ragged batch, or vLLM's ``hidden[logits_indices]``) still reads every row: which rows it keeps is a
+    run-time value, and only slices and selects by static bounds are narrowed. None for any other node, and for an
+    index whose row count is not static or would not gather fewer rows (an MoE's dispatch of every token)."""
+    if node.target is not aten.index.Tensor or k is None:
+        return None
+    indices = node.args[1]
+    if not any(index is not None for index in indices[:k]):
+        return None
+    out = node.meta.get("val")
+    row_width = math.prod(shape[k:])
+    if not isinstance(out, torch.Tensor) or not all(isinstance(size, int) for size in (*out.shape, row_width)):
+        return None
+    rows = out.numel() // max(row_width, 1)
+    if not isinstance(tokens, int) or rows * tp >= tokens:
+        return None
+    return f"a tensor index keeping {rows} of {tokens} rows: only slices and selects by static bounds are narrowed"
+
+
 def _bounds(node: fx.Node) -> tuple[Any, Any, Any]:
     """A ``slice.Tensor``'s start, end and step, their defaults where not given; a ``select.int``'s as the slice of
     its one row (``x[i]`` keeps what ``x[i:i + 1]`` does, ``x[-1]`` what ``x[-1:]`` does)."""

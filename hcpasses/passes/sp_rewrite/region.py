@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
-from hcpasses.passes.sp_rewrite.kept import ROW_PICKS, KeptRows, kept_rows
+from hcpasses.passes.sp_rewrite.kept import ROW_PICKS, KeptRows, indexed_rows, kept_rows
 from hcpasses.passes.sp_rewrite.rules import REDUCTIONS, SIZE_OPS, RowRules, dim_arg, is_pointwise
 from hcpasses.passes.sp_rewrite.tokens import (
     Layout,
@@ -312,6 +312,7 @@ class _RegionBuilder:
         after = descendants(self.graph, region) - region
         candidates = after - descendants(self.graph, refused) if refused else after
         slices = {node: self._kept_verdict(node, tp) for node in after if node.target in ROW_PICKS}
+        slices.update((node, why) for node in after if (why := self._indexed_verdict(node, tp)) is not None)
         tail = self._leading_to(candidates, lambda user: isinstance(slices.get(user), KeptRows))
         reading = region | self._leading_to(candidates, lambda user: slices.get(user) is not None)
         unkept = tuple(
@@ -399,6 +400,12 @@ class _RegionBuilder:
         if not isinstance(val, torch.Tensor):
             return None
         return kept_rows(node, self.rules.dims(node.args[0]), val.shape, self.rules.tokens, tp, self.min_tokens)
+
+    def _indexed_verdict(self, node: fx.Node, tp: int) -> str | None:
+        """``indexed_rows`` of a tensor index, read off its input's value."""
+        if node.target is not aten.index.Tensor or not isinstance(val := value_of(node.args[0]), torch.Tensor):
+            return None
+        return indexed_rows(node, self.rules.dims(node.args[0]), val.shape, self.rules.tokens, tp)
 
     def _kept(self, users: tuple[fx.Node, ...], k: int, shape: Any, tp: int) -> tuple[KeptRows, ...]:
         """The slices keeping a few token rows of an exit of ``shape`` (``k`` token dims), when every user of it is
