@@ -412,9 +412,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="tail_failure_cuts_the_region",
-        fault="a region that fails with its tail is not tried again without it: the tail cuts the region",
+        fault="a region that fails with its tail (or prologue) is not tried again without: the tail cuts the region",
         file="hcpasses/passes/sp_rewrite/region.py",
-        old="""        if isinstance(region, NotShardable) and tail:  # a tail never cuts a region: try again without it
+        old="""        if isinstance(region, NotShardable) and (tail or prologue):  # neither cuts a region: try again without
 """,
         new="""        if False:  # "the checks already left out what the tail cannot hold"
 """,
