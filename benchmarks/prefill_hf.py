@@ -35,7 +35,8 @@ header says whether ``fla`` was found and which modules the context patched.
 
 Per case and variant: the first call's seconds (compile), the passes' own seconds from the reports, the
 median wall time of ``--repeats`` calls (CUDA events; host clock on CPU), the profiler's kernel time and
-kernel count per forward (on CPU: ops' self time and op count, which only checks the plumbing), the
+kernel count per forward (on CPU: ops' self time and op count, which only checks the plumbing), the host calls
+with the most self CPU time under the profiler (``host_top_ms``: where a host-bound forward's time goes), the
 collectives of one forward with their ring-model time at ``--link-gbps`` (``simulated_tp.CommModel``) and
 ``estimated_ms`` = kernel ms + comm ms (no overlap), and the logits' largest difference from ``inductor``'s (none
 for a variant that shards: ``sp_applied`` true for ``hcpasses_sp`` where the pass sharded, for ``handwritten_sp`` at
@@ -87,6 +88,7 @@ from hcpasses.testing import hf_models
 MODELS = ("qwen4_exp", "deepseek_v4")
 VARIANTS = ("inductor", "sp_off", "hcpasses_sp", "handwritten_sp")
 DTYPES = ("bf16", "fp8")
+HOST_TOP = 12  # host calls listed per variant (``host_top_ms``), by self CPU time under the profiler
 DEFAULT_LAYERS = {"qwen4_exp": 4, "deepseek_v4": 2}
 SMOKE_LAYERS = {"qwen4_exp": 2, "deepseek_v4": 1}  # qwen4_exp: the PLE layer is layer 2
 
@@ -263,11 +265,15 @@ def profiled(step: Callable[[], Any], repeats: int, device: torch.device) -> dic
     events = [e for e in prof.events() if e.device_type == kind and not e.name.startswith(STANDIN_RANGE)]
     kernel_ms = sum(e.time_range.elapsed_us() if on_gpu else e.self_cpu_time_total for e in events) / repeats / 1e3
     standin = standin_ms(prof.events(), on_gpu) / repeats
+    # Where the host's time goes, for a forward whose wall time exceeds its kernel time (host-bound): the calls
+    # with the most self CPU time (on CUDA: launches, synchronisations, allocations, the wrapper's ops).
+    host = sorted(prof.key_averages(), key=lambda entry: entry.self_cpu_time_total, reverse=True)[:HOST_TOP]
     return {
         "kernel_ms": kernel_ms,
         "standin_ms": standin,
         "compute_ms": kernel_ms - standin,
         "kernels": len(events) / repeats,
+        "host_top_ms": {entry.key: entry.self_cpu_time_total / repeats / 1e3 for entry in host},
     }
 
 

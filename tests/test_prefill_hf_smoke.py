@@ -114,6 +114,9 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
             # the stand-in collectives' time is taken out of compute (tp 1 runs none)
             assert (row["standin_ms"] > 0) == (case["tp"] == 2)
             assert row["compute_ms"] == pytest.approx(row["kernel_ms"] - row["standin_ms"])
+            host = row["host_top_ms"]  # the calls with the most host time, most first
+            assert 0 < len(host) <= prefill_hf.HOST_TOP and list(host.values()) == sorted(host.values(), reverse=True)
+            assert all(ms >= 0 for ms in host.values()) and max(host.values()) > 0, host
             if variant == "inductor":
                 assert row["rel_diff_vs_inductor"] == 0.0 and "reports" not in row
                 continue
