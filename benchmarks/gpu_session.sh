@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks (H200, torch 2.11): the GPU test files, then the prefill runs whose numbers
+# docs/BENCHMARKS.md waits for. Run from the repository root on the device machine with `.whl` carried
+# (DESIGN §10: transformers, flash-linear-attention, fla-core, einops wheels), results under $OUT:
+#
+#     bash benchmarks/gpu_session.sh tests      # GPU test files, then the fla test alone (about 220 s)
+#     bash benchmarks/gpu_session.sh prefill    # deepseek_v4 tp 8 (the SP prologue), qwen4_exp FP8 tp 4 (host time)
+#
+# Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
+set -uo pipefail
+out=${OUT:?set OUT to the folder the results go to}
+if [ "${1:-}" != tests ] && [ "${1:-}" != prefill ]; then
+    echo "usage: bash benchmarks/gpu_session.sh tests|prefill" >&2
+    exit 2
+fi
+install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+[ -d /tmp/site ] || $install --target /tmp/site .whl/transformers*.whl
+[ -d /tmp/site_fla ] || $install --target /tmp/site_fla .whl/fla_core*.whl .whl/flash_linear*.whl .whl/einops*.whl
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+git log --oneline -1 2>/dev/null || true
+
+case "${1:-}" in
+tests)
+    PYTHONPATH=/tmp/site:.:tests timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs \
+        tests/test_gpu.py tests/test_kernels.py tests/test_quant_evaluation.py tests/real_models/test_compile.py \
+        tests/real_models/test_sp_real.py tests/real_models/test_export_check.py \
+        tests/real_models/test_delta_rule_op.py -k "not interpreter" 2>&1 | tee "$out/gpu_tests.log" | tail -15
+    PYTHONPATH=/tmp/site_fla:/tmp/site:.:tests timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs \
+        tests/real_models/test_delta_rule_op.py -k flash_linear 2>&1 | tee "$out/fla.log" | tail -3
+    ;;
+prefill)
+    bench="python3 benchmarks/prefill_hf.py --tokens 16384 --warmup 1 --repeats 3 --out $out"
+    PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 170 $bench --models deepseek_v4 --dtypes bf16 --tp 8 \
+        --variants sp_off,hcpasses_sp --tag ds2_prologue_tp8_h200 2>&1 | tee "$out/ds.log" | grep -E "^(deep|case)"
+    PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 200 $bench --models qwen4_exp --layers 3 --dtypes fp8 \
+        --tp 4 --variants sp_off,hcpasses_sp,handwritten_sp --tag q3_fp8_tp4_host_h200 2>&1 | tee "$out/q.log" \
+        | grep -E "^(qwen|case)"
+    ;;
+esac
