@@ -146,8 +146,8 @@ WINDOWS = ("front_pad", "own_padding", "centred")
 # ``keep`` rows before the last one, or its last ``keep`` rows picked by a tensor index
 TAILS = ("norm", "centred", "both", "fp8", "select", "before_last", "index")
 # what a sub-layer does to its HC block's x before its GEMMs: nothing; an RMS norm cast to the bf16 of the sub-layer's
-# weights (narrower than the fp32 x); the norm in fp32 (no narrower); the bf16 norm beside a gate read off x itself;
-# centring over the tokens, then the bf16 cast (not row-local)
+# weights (narrower than the fp32 x); the norm in fp32 (no narrower); the bf16 norm beside a gate that reads x itself
+# through a scan (x is gathered for it anyway); centring over the tokens, then the bf16 cast (not row-local)
 PROLOGUES = ("none", "norm_bf16", "norm", "branch", "centred_bf16")
 
 
