@@ -54,5 +54,6 @@ def test_deepseek_v4_as_torch_211_lowers_it_gathers_every_sub_layer_input_in_bf1
     assert sp.facts["prologue_gathers"] == 3 and sp.facts["cuts"] == 0, sp.notes
     for gm in sharded.graphs:
         assert gathered_dtypes(gm) == [torch.bfloat16] * 3, gm.graph
+    # Against SP off only: the fold drops a bf16 rounding that eager keeps, so eager computes other numbers.
     for got, want in zip(run(sharded, ids), run(sharded.sp_off(), ids), strict=True):
         assert_same_as_sp_off(got, want, fp8=True)

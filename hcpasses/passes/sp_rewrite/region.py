@@ -311,8 +311,7 @@ class _RegionBuilder:
         (they keep too many rows to gain, or rows a symbolic N may not have)."""
         after = descendants(self.graph, region) - region
         candidates = after - descendants(self.graph, refused) if refused else after
-        slices = {node: self._kept_verdict(node, tp) for node in after if node.target in ROW_PICKS}
-        slices.update((node, why) for node in after if (why := self._indexed_verdict(node, tp)) is not None)
+        slices = {node: verdict for node in after if (verdict := self._pick_verdict(node, tp)) is not None}
         tail = self._leading_to(candidates, lambda user: isinstance(slices.get(user), KeptRows))
         reading = region | self._leading_to(candidates, lambda user: slices.get(user) is not None)
         unkept = tuple(
@@ -389,23 +388,23 @@ class _RegionBuilder:
         """A value outside the region that carries no tokens by what it is computed from (a weight, a constant; its
         shape is no guide: a norm weight [S] looks like tokens where S = N). That the step broadcasts it over the
         rows is checked with the region (``RowRules.check_operand``)."""
-        return node not in self.rules.token_carriers and not isinstance(value_of(node), (list, tuple))
+        return node not in self.rules.token_carriers
 
     def _ordered(self, nodes: Iterable[fx.Node]) -> list[fx.Node]:
         return sorted(nodes, key=self.order.__getitem__)
 
-    def _kept_verdict(self, node: fx.Node, tp: int) -> KeptRows | str | None:
-        """``kept_rows`` of a slice, read off its input's value (its leading token dims)."""
+    def _pick_verdict(self, node: fx.Node, tp: int) -> KeptRows | str | None:
+        """``kept_rows`` of a slice or select, ``indexed_rows`` of a tensor index, read off its input's value (its
+        leading token dims); None for any other node."""
+        if node.target not in (*ROW_PICKS, aten.index.Tensor):
+            return None
         val = value_of(node.args[0])
         if not isinstance(val, torch.Tensor):
             return None
-        return kept_rows(node, self.rules.dims(node.args[0]), val.shape, self.rules.tokens, tp, self.min_tokens)
-
-    def _indexed_verdict(self, node: fx.Node, tp: int) -> str | None:
-        """``indexed_rows`` of a tensor index, read off its input's value."""
-        if node.target is not aten.index.Tensor or not isinstance(val := value_of(node.args[0]), torch.Tensor):
-            return None
-        return indexed_rows(node, self.rules.dims(node.args[0]), val.shape, self.rules.tokens, tp)
+        k = self.rules.dims(node.args[0])
+        if node.target is aten.index.Tensor:
+            return indexed_rows(node, k, val.shape, self.rules.tokens, tp)
+        return kept_rows(node, k, val.shape, self.rules.tokens, tp, self.min_tokens)
 
     def _kept(self, users: tuple[fx.Node, ...], k: int, shape: Any, tp: int) -> tuple[KeptRows, ...]:
         """The slices keeping a few token rows of an exit of ``shape`` (``k`` token dims), when every user of it is
