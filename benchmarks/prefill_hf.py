@@ -36,7 +36,9 @@ header says whether ``fla`` was found and which modules the context patched.
 Per case and variant: the first call's seconds (compile), the passes' own seconds from the reports, the
 median wall time of ``--repeats`` calls (CUDA events; host clock on CPU), the profiler's kernel time and
 kernel count per forward (on CPU: ops' self time and op count, which only checks the plumbing), the host calls
-with the most self CPU time under the profiler (``host_top_ms``: where a host-bound forward's time goes), the
+with the most self CPU time under the profiler (``host_top_ms``: where a host-bound forward's time goes), on the
+GPU the time it sat idle between kernels (``idle_ms``, and the longest gaps with the kernels around them,
+``gaps_top_us``) and the caching allocator's cudaMalloc / cudaFree calls per timed call (``allocator_per_call``), the
 collectives of one forward with their ring-model time at ``--link-gbps`` (``simulated_tp.CommModel``) and
 ``estimated_ms`` = kernel ms + comm ms (no overlap), and the logits' largest difference from ``inductor``'s (none
 for a variant that shards: ``sp_applied`` true for ``hcpasses_sp`` where the pass sharded, for ``handwritten_sp`` at
@@ -89,6 +91,7 @@ MODELS = ("qwen4_exp", "deepseek_v4")
 VARIANTS = ("inductor", "sp_off", "hcpasses_sp", "handwritten_sp")
 DTYPES = ("bf16", "fp8")
 HOST_TOP = 12  # host calls listed per variant (``host_top_ms``), by self CPU time under the profiler
+GAPS_TOP = 8  # longest idle gaps between kernels listed per variant (``gaps_top_us``, GPU only)
 DEFAULT_LAYERS = {"qwen4_exp": 4, "deepseek_v4": 2}
 SMOKE_LAYERS = {"qwen4_exp": 2, "deepseek_v4": 1}  # qwen4_exp: the PLE layer is layer 2
 
@@ -229,6 +232,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def device_allocs(device: torch.device) -> dict[str, int]:
+    """The caching allocator's device calls so far (cudaMalloc, cudaFree, retries after freeing its cache): a
+    forward that makes any stalls the host on the device (cudaFree synchronises); empty on CPU."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
 def wall_ms(step: Callable[[], Any], repeats: int, device: torch.device) -> list[float]:
     """Milliseconds of each of ``repeats`` calls: CUDA events (host clock on CPU)."""
     times = []
@@ -274,6 +286,24 @@ def profiled(step: Callable[[], Any], repeats: int, device: torch.device) -> dic
         "compute_ms": kernel_ms - standin,
         "kernels": len(events) / repeats,
         "host_top_ms": {entry.key: entry.self_cpu_time_total / repeats / 1e3 for entry in host},
+        **(device_gaps(events, repeats) if on_gpu else {}),
+    }
+
+
+def device_gaps(kernels: Sequence[Any], repeats: int) -> dict[str, Any]:
+    """Where the GPU sat idle between kernels: ``idle_ms`` per call (the gaps summed), and the ``GAPS_TOP`` longest
+    gaps with the kernels on either side (a host-bound forward idles everywhere; a stall idles at one place)."""
+    gaps = []
+    last = None  # the kernel that ends last so far (kernels on other streams may overlap)
+    for kernel in sorted(kernels, key=lambda e: e.time_range.start):
+        if last is not None and kernel.time_range.start > last.time_range.end:
+            gaps.append((kernel.time_range.start - last.time_range.end, last.name, kernel.name))
+        if last is None or kernel.time_range.end > last.time_range.end:
+            last = kernel
+    top = sorted(gaps, reverse=True)[:GAPS_TOP]
+    return {
+        "idle_ms": sum(gap for gap, _, _ in gaps) / repeats / 1e3,
+        "gaps_top_us": [{"us": gap, "after": before[:80], "before": after[:80]} for gap, before, after in top],
     }
 
 
@@ -318,12 +348,15 @@ def run_variant(
         compile_s = time.perf_counter() - began
         for _ in range(settings.warmup):
             step()
+        allocs_before = device_allocs(device)
         times = wall_ms(step, settings.repeats, device)
+        allocs = {k: (v - allocs_before[k]) / settings.repeats for k, v in device_allocs(device).items()}
         kernels = profiled(step, settings.repeats, device)
         ledger.clear()
         step()
     comm = CommModel(settings.link_gbps)
     row = {"compile_s": compile_s, "wall_ms": statistics.median(times), "wall_times_ms": times, **kernels}
+    row["allocator_per_call"] = allocs
     row |= {"collectives": ledger.counts(), "collective_bytes": ledger.bytes_by_kind()}
     row |= {"comm_ms": comm.ms(ledger.calls), "estimated_ms": kernels["compute_ms"] + comm.ms(ledger.calls)}
     row |= pass_summary(backend)

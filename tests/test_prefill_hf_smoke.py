@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,6 +35,29 @@ def test_replicate_kv_heads_gives_each_rank_the_kv_head_of_its_query_heads() -> 
     assert attention.config.num_key_value_heads == 4 and attention.num_key_value_groups == 1
     assert model.config.num_key_value_heads == 2  # the model's own config is untouched
     assert prefill_hf.replicate_kv_heads(tiny_qwen4_exp(), 2) == 0  # enough KV heads already
+
+
+def kernel_event(name: str, start: int, end: int) -> SimpleNamespace:
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_device_gaps_sums_the_idle_time_between_kernels_and_names_the_longest_gaps() -> None:
+    # two calls of three kernels each, given out of order; "b" overlaps "a" (another stream): no gap there, and
+    # "inner" runs within "b": the gap after it is measured from the end of "b"
+    kernels = [kernel_event("c", 40, 50), kernel_event("a", 0, 10), kernel_event("b", 5, 12)]
+    kernels += [kernel_event("inner", 6, 7)]
+    kernels += [kernel_event("a", 100, 110), kernel_event("b", 111, 120), kernel_event("c", 1120, 1130)]
+    gaps = prefill_hf.device_gaps(kernels, repeats=2)
+    # gaps: 12..40 (28), 50..100 (50), 110..111 (1), 120..1120 (1000): 1079 us over 2 calls
+    assert gaps["idle_ms"] == pytest.approx(1079 / 2 / 1e3)
+    assert [(g["us"], g["after"], g["before"]) for g in gaps["gaps_top_us"][:2]] == [(1000, "b", "c"), (50, "c", "a")]
+    assert len(gaps["gaps_top_us"]) == 4
+    many = [kernel_event(str(i), 10 * i, 10 * i + 5) for i in range(20)]
+    assert len(prefill_hf.device_gaps(many, repeats=1)["gaps_top_us"]) == prefill_hf.GAPS_TOP
+
+
+def test_device_allocs_is_empty_on_cpu() -> None:
+    assert prefill_hf.device_allocs(torch.device("cpu")) == {}
 
 
 def test_a_kv_replicated_sharded_model_runs_under_simulated_tp() -> None:
@@ -117,6 +141,7 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
             host = row["host_top_ms"]  # the calls with the most host time, most first
             assert 0 < len(host) <= prefill_hf.HOST_TOP and list(host.values()) == sorted(host.values(), reverse=True)
             assert all(ms >= 0 for ms in host.values()) and max(host.values()) > 0, host
+            assert row["allocator_per_call"] == {} and "idle_ms" not in row  # GPU only
             if variant == "inductor":
                 assert row["rel_diff_vs_inductor"] == 0.0 and "reports" not in row
                 continue
