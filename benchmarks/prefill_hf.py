@@ -37,8 +37,9 @@ Per case and variant: the first call's seconds (compile), the passes' own second
 median wall time of ``--repeats`` calls (CUDA events; host clock on CPU), the profiler's kernel time and
 kernel count per forward (on CPU: ops' self time and op count, which only checks the plumbing), the host calls
 with the most self CPU time under the profiler (``host_top_ms``: where a host-bound forward's time goes), on the
-GPU the time it sat idle between kernels (``idle_ms``, and the longest gaps with the kernels around them,
-``gaps_top_us``) and the caching allocator's cudaMalloc / cudaFree calls per timed call (``allocator_per_call``), the
+GPU each kernel name's ms (``kernel_ms_by_name``), the time the GPU sat idle between kernels (``idle_ms``, and the
+longest gaps with the kernels around them, ``gaps_top_us``) and the caching allocator's cudaMalloc / cudaFree
+calls per timed call (``allocator_per_call``), the
 collectives of one forward with their ring-model time at ``--link-gbps`` (``simulated_tp.CommModel``) and
 ``estimated_ms`` = kernel ms + comm ms (no overlap), and the logits' largest difference from ``inductor``'s (none
 for a variant that shards: ``sp_applied`` true for ``hcpasses_sp`` where the pass sharded, for ``handwritten_sp`` at
@@ -286,8 +287,16 @@ def profiled(step: Callable[[], Any], repeats: int, device: torch.device) -> dic
         "compute_ms": kernel_ms - standin,
         "kernels": len(events) / repeats,
         "host_top_ms": {entry.key: entry.self_cpu_time_total / repeats / 1e3 for entry in host},
-        **(device_gaps(events, repeats) if on_gpu else {}),
+        **({"kernel_ms_by_name": kernel_ms_by_name(events, repeats), **device_gaps(events, repeats)} if on_gpu else {}),
     }
+
+
+def kernel_ms_by_name(kernels: Sequence[Any], repeats: int) -> dict[str, float]:
+    """Device ms per call of each kernel name, most first: two variants' profiles side by side, kernel by kernel."""
+    totals: dict[str, float] = {}
+    for kernel in kernels:
+        totals[kernel.name] = totals.get(kernel.name, 0.0) + kernel.time_range.elapsed_us() / repeats / 1e3
+    return dict(sorted(totals.items(), key=lambda item: item[1], reverse=True))
 
 
 def device_gaps(kernels: Sequence[Any], repeats: int) -> dict[str, Any]:

@@ -38,7 +38,9 @@ def test_replicate_kv_heads_gives_each_rank_the_kv_head_of_its_query_heads() -> 
 
 
 def kernel_event(name: str, start: int, end: int) -> SimpleNamespace:
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+    """A profiler event as the helpers read it: a name and a time range in us."""
+    span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+    return SimpleNamespace(name=name, time_range=span)
 
 
 def test_device_gaps_sums_the_idle_time_between_kernels_and_names_the_longest_gaps() -> None:
@@ -54,6 +56,14 @@ def test_device_gaps_sums_the_idle_time_between_kernels_and_names_the_longest_ga
     assert len(gaps["gaps_top_us"]) == 4
     many = [kernel_event(str(i), 10 * i, 10 * i + 5) for i in range(20)]
     assert len(prefill_hf.device_gaps(many, repeats=1)["gaps_top_us"]) == prefill_hf.GAPS_TOP
+
+
+def test_kernel_ms_by_name_sums_each_name_per_call_most_first() -> None:
+    kernels = [kernel_event("gemm", 0, 300), kernel_event("norm", 300, 400), kernel_event("gemm", 500, 800)]
+    kernels += [kernel_event("norm", 800, 850), kernel_event("quant", 900, 1600)]
+    by_name = prefill_hf.kernel_ms_by_name(kernels, repeats=2)
+    assert by_name == pytest.approx({"quant": 0.35, "gemm": 0.3, "norm": 0.075})
+    assert list(by_name) == ["quant", "gemm", "norm"]
 
 
 def test_device_allocs_is_empty_on_cpu() -> None:
@@ -141,7 +151,7 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
             host = row["host_top_ms"]  # the calls with the most host time, most first
             assert 0 < len(host) <= prefill_hf.HOST_TOP and list(host.values()) == sorted(host.values(), reverse=True)
             assert all(ms >= 0 for ms in host.values()) and max(host.values()) > 0, host
-            assert row["allocator_per_call"] == {} and "idle_ms" not in row  # GPU only
+            assert row["allocator_per_call"] == {} and "idle_ms" not in row and "kernel_ms_by_name" not in row
             if variant == "inductor":
                 assert row["rel_diff_vs_inductor"] == 0.0 and "reports" not in row
                 continue
