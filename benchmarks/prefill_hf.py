@@ -60,7 +60,8 @@ gathers' copies while SP off's in-place all-reduce stand-in costs nothing). Kern
 
 Robust on a time-limited GPU call: progress on stdout, the JSON rewritten after every case, and a case that
 raises (out of memory, a head count tp does not divide) is recorded with its error and skipped.
-Writes ``prefill_hf[_<tag>].json`` (``smoke_`` prefixed for ``--cpu-smoke``) to ``--out``.
+Writes ``prefill_hf[_<tag>].json`` (``smoke_`` prefixed for ``--cpu-smoke``) to ``--out``; with ``--trace DIR``, each
+variant's profiled calls as a Chrome trace ``DIR/trace_<model>_<dtype>_tp<N>_T<T>_<variant>.json``.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class Settings:
     link_gbps: float
     smoke: bool
     eager_kernels: bool
+    trace_dir: Path | None = None
 
     @property
     def device(self) -> torch.device:
@@ -261,9 +263,12 @@ def wall_ms(step: Callable[[], Any], repeats: int, device: torch.device) -> list
     return times
 
 
-def profiled(step: Callable[[], Any], repeats: int, device: torch.device) -> dict[str, float]:
+def profiled(
+    step: Callable[[], Any], repeats: int, device: torch.device, trace: Path | None = None
+) -> dict[str, float]:
     """Per call: summed GPU kernel ms and number of kernels ``torch.profiler`` records (CPU: ops' self time), the
-    part of it the stand-in collectives took, and compute = the rest."""
+    part of it the stand-in collectives took, and compute = the rest. ``trace``: write the profile there too (a
+    Chrome trace: which host call ran while the GPU sat idle)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -273,6 +278,9 @@ def profiled(step: Callable[[], Any], repeats: int, device: torch.device) -> dic
         for _ in range(repeats):
             step()
         sync(device)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
     # On the GPU timeline a stand-in's profiler range shows up as an event of its own: not a kernel.
     events = [e for e in prof.events() if e.device_type == kind and not e.name.startswith(STANDIN_RANGE)]
@@ -338,7 +346,7 @@ def pass_summary(backend: Any) -> dict[str, Any]:
 
 
 def run_variant(
-    model: nn.Module, variant: str, ids: torch.Tensor, settings: Settings, ledger: CommLedger
+    model: nn.Module, variant: str, ids: torch.Tensor, settings: Settings, ledger: CommLedger, trace: Path | None = None
 ) -> dict[str, Any]:
     """Compile (first call), warm up, time and profile one variant on ``ids``; one more call for the ledger."""
     torch._dynamo.reset()
@@ -360,7 +368,7 @@ def run_variant(
         allocs_before = device_allocs(device)
         times = wall_ms(step, settings.repeats, device)
         allocs = {k: (v - allocs_before[k]) / settings.repeats for k, v in device_allocs(device).items()}
-        kernels = profiled(step, settings.repeats, device)
+        kernels = profiled(step, settings.repeats, device, trace)
         ledger.clear()
         step()
     comm = CommModel(settings.link_gbps)
@@ -431,6 +439,11 @@ class Case:
     def label(self) -> str:
         return f"{self.model} {self.dtype} tp{self.tp} T={self.tokens}"
 
+    @property
+    def stem(self) -> str:
+        """The case in a file name."""
+        return f"{self.model}_{self.dtype}_tp{self.tp}_T{self.tokens}"
+
 
 def input_ids(tokens: int, vocab: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(tokens)
@@ -442,7 +455,8 @@ def run_case(model: nn.Module, case: Case, settings: Settings, ledger: CommLedge
     ids = input_ids(case.tokens, model.config.vocab_size, settings.device)
     variants: dict[str, dict[str, Any]] = {}
     for variant in settings.variants:
-        variants[variant] = guarded(lambda v=variant: run_variant(model, v, ids, settings, ledger))
+        trace = None if settings.trace_dir is None else settings.trace_dir / f"trace_{case.stem}_{variant}.json"
+        variants[variant] = guarded(lambda v=variant, t=trace: run_variant(model, v, ids, settings, ledger, t))
         if "kernels" in variants[variant]:
             variants[variant]["kernels_per_layer"] = variants[variant]["kernels"] / settings.n_layers(case.model)
         summary = {
@@ -631,6 +645,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
         help="run without hcpasses.hf.eager_kernels_under_compile (GatedDeltaNet as Dynamo traces it)",
     )
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="write each variant's profile there as a Chrome trace (JSON)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
@@ -648,6 +665,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
         link_gbps=args.link_gbps,
         smoke=smoke,
         eager_kernels=not args.as_traced,
+        trace_dir=args.trace,
     )
     stem = f"{'smoke_' if smoke else ''}prefill_hf{'_' + args.tag if args.tag else ''}"
     return settings, args.out / f"{stem}.json"
@@ -659,7 +677,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("prefill_hf: needs a GPU (or --cpu-smoke)")
     if settings.smoke:
         torch.set_num_threads(1)
-    log(f"prefill_hf: {json.dumps(asdict(settings))} -> {path}")
+    log(f"prefill_hf: {json.dumps(asdict(settings), default=str)} -> {path}")
     report = run(settings, path)
     print(table(report))
     print(f"wrote {path}")

@@ -134,11 +134,16 @@ def test_subsets_are_checked() -> None:
 def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
     command = [sys.executable, "benchmarks/prefill_hf.py", "--cpu-smoke", "--models", "qwen4_exp", "--tp", "1,2"]
     command += ["--dtypes", "bf16", "--variants", ",".join(prefill_hf.VARIANTS), "--repeats", "1", "--warmup", "0"]
-    command += ["--out", str(tmp_path)]
+    command += ["--out", str(tmp_path), "--trace", str(tmp_path / "traces")]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads((tmp_path / "smoke_prefill_hf.json").read_text())
     assert [(case["tp"], case["tokens"]) for case in report["cases"]] == [(1, 32), (2, 32)]
+    traces = sorted(path.name for path in (tmp_path / "traces").iterdir())
+    expected = [f"trace_qwen4_exp_bf16_tp{tp}_T32_{v}.json" for tp in (1, 2) for v in prefill_hf.VARIANTS]
+    assert traces == sorted(expected)
+    trace = json.loads((tmp_path / "traces" / "trace_qwen4_exp_bf16_tp2_T32_hcpasses_sp.json").read_text())
+    assert any(event.get("name", "").startswith("simulated_tp::") for event in trace["traceEvents"])
     for case in report["cases"]:
         assert "error" not in case, case
         for variant, row in case["variants"].items():
