@@ -8,7 +8,8 @@
 Variants: when a pass shards a graph whose token count T is symbolic (its record carries a
 ``ShardedTokens``: the SP rewrite's), the same Dynamo graph is compiled a second time with that pass
 off and a ``TokenDispatch`` runs the sharded graph for T >= ``min_tokens`` and the unsharded one below
-(decode sizes keep the plain graph). With ``cudagraphs=True`` only unsharded graphs are compiled with
+(decode sizes keep the plain graph). With ``lazy_variants=True`` (the default) that second compile waits for the
+first call with T < ``min_tokens`` (``LazyVariant``). With ``cudagraphs=True`` only unsharded graphs are compiled with
 CUDA graphs: a graph no pass sharded is compiled again with them, under the same pipeline.
 
 ``torch.compile(model, backend="hcpasses")`` finds ``compile_with_defaults`` through the
@@ -31,6 +32,7 @@ compiled (keyed by the same uuid, the Dynamo graph's code and the input metadata
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import getpass
 import hashlib
@@ -156,6 +158,64 @@ class TokenDispatch:
         return (self.sharded if variant == "sharded" else self.unsharded)(*args)
 
 
+class LazyVariant:
+    """A graph's unsharded variant, compiled on its first call rather than in Dynamo's backend call (``lazy_variants``):
+    a prefill-only run never compiles it.
+
+    The compile re-enters the Dynamo ``TracingContext`` of the backend call that made the variant
+    (``torch._guards.tracing``; internal, the same in 2.11 and 2.13, pinned by tests/test_lazy_variants.py): outside
+    it, ``compile_fx`` specialises the graph's symbolic sizes to the example's (docs/BENCHMARKS.md, "Compiling the
+    unsharded variant lazily"). Dynamo built the frame's guards from the ShapeEnv when the backend returned, so a
+    guard, a replacement or a narrowed range this compile adds would never be checked: then the variant is given up,
+    with a warning naming what was added, and ``fallback`` (the sharded graph, correct for every T) runs instead.
+    """
+
+    def __init__(self, compile: Callable[[], Callable[..., Any]], fallback: Callable[..., Any], context: Any) -> None:
+        self._compile = compile
+        self.fallback = fallback
+        self.context = context
+        self.compiled: Callable[..., Any] | None = None
+        self.added: list[str] = []  # what the compile added to the ShapeEnv (non-empty: given up)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            self.compiled = self._compile_checked()
+        return self.compiled(*args)
+
+    def _compile_checked(self) -> Callable[..., Any]:
+        shape_env = self.context.fake_mode.shape_env
+        before = _shape_env_state(shape_env)
+        with torch._guards.tracing(self.context):
+            compiled = self._compile()
+        after = _shape_env_state(shape_env)
+        self.added = [str(guard.expr) for guard in shape_env.guards[before.guards :]]
+        self.added += [f"{s} -> {v}" for s, v in after.replacements.items() if before.replacements.get(s) != v]
+        self.added += [f"{s} in {r}" for s, r in after.ranges.items() if s in before.ranges and before.ranges[s] != r]
+        if not self.added:
+            return compiled
+        log.warning(
+            "hcpasses: compiling the unsharded variant on its first call added shape constraints Dynamo no longer "
+            "checks (%s); small token counts run the sharded graph instead (lazy_variants=False compiles both "
+            "variants up front)",
+            "; ".join(self.added),
+        )
+        return self.fallback
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShapeEnvState:
+    guards: int
+    replacements: dict[Any, Any]
+    ranges: dict[Any, Any]
+
+
+def _shape_env_state(shape_env: Any) -> _ShapeEnvState:
+    """What Dynamo reads from a ShapeEnv to build a frame's guards (internals, the same in 2.11 and 2.13)."""
+    if shape_env is None:
+        return _ShapeEnvState(0, {}, {})
+    return _ShapeEnvState(len(shape_env.guards), dict(shape_env.replacements), dict(shape_env.var_to_range))
+
+
 class HCPassesBackend:
     """A ``torch.compile`` backend object; ``reports`` holds one ``GraphReport`` per compiled graph."""
 
@@ -238,7 +298,18 @@ class HCPassesBackend:
         for report in reports:
             report.variant = "sharded"
         manager = self.unsharded_manager(sharding_pass)
-        unsharded, _ = self._compile(gm, example_inputs, manager, "unsharded", cudagraphs=self.config.cudagraphs)
+        cudagraphs = self.config.cudagraphs
+        context = torch._guards.TracingContext.try_get()
+        unsharded: Callable[..., Any]
+        if tokens is not None and self.config.lazy_variants and context is not None:
+            # Dynamo's fake inputs, not its real ones: a kept activation would hold its memory until the first
+            # small-T call.
+            fakes = [node.meta["example_value"] for node in gm.graph.nodes if node.op == "placeholder"]
+            unsharded = LazyVariant(
+                lambda: self._compile(gm, fakes, manager, "unsharded", cudagraphs=cudagraphs)[0], sharded, context
+            )
+        else:
+            unsharded, _ = self._compile(gm, example_inputs, manager, "unsharded", cudagraphs=cudagraphs)
         if tokens is None:
             return unsharded
         dispatch = TokenDispatch(sharded, unsharded, tokens, decision.min_tokens)

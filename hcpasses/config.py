@@ -8,9 +8,9 @@ Two kinds of flag, each defined in one place:
 
 - one boolean per pass, named as the pass: the registry ``hcpasses.passes.PASSES`` gives their names, defaults
   and order. The config holds their values in ``pass_flags``; the manager asks ``pass_enabled(name)``.
-- the options (``sp_min_tokens``, ``dump_dir``, ``cudagraphs``, ``overlap``): the fields made by ``option``, whose
-  metadata holds their valid values, their help and their environment variable. A pass reads the options its
-  ``PassSpec.reads`` names.
+- the options (``sp_min_tokens``, ``dump_dir``, ``cudagraphs``, ``lazy_variants``, ``overlap``): the fields made by
+  ``option``, whose metadata holds their valid values, their help and their environment variable. A pass reads the
+  options its ``PassSpec.reads`` names.
 
 Environment overrides (they win over flags, so an operator can switch a pass off without touching
 code):
@@ -71,8 +71,8 @@ class HCPassesConfig:
     Attributes:
         pass_flags: ``(name, on)`` of every pass, in pipeline order (``hcpasses.passes.PASSES``); not a flag itself:
             each pass is its own flag (``backend(sp_rewrite=False)``). Read them with ``pass_enabled(name)``.
-        sp_min_tokens, dump_dir, cudagraphs, overlap: the options; what each means is in its field's ``help``
-            (``python -m hcpasses flags``).
+        sp_min_tokens, dump_dir, cudagraphs, lazy_variants, overlap: the options; what each means is in its field's
+            ``help`` (``python -m hcpasses flags``).
         disabled_by_env: not a flag (``resolve`` refuses it): the passes ``HCPASSES_DISABLE`` turned off, in
             pipeline order, so that a report gives the environment as the reason, not a flag the user never set.
     """
@@ -90,6 +90,13 @@ class HCPassesConfig:
         BOOL,
         "capture the graphs no pass sharded (decode sizes: T < sp_min_tokens) as CUDA graphs, like "
         '`mode="reduce-overhead"`; sharded graphs are never captured',
+    )
+    lazy_variants: bool = option(
+        True,
+        BOOL,
+        "compile the unsharded variant of a graph SP sharded with a symbolic T (decode sizes) on its first call, "
+        "not beside the sharded one; if that compile adds a shape guard Dynamo would no longer check, small T runs "
+        "the sharded graph instead (logged)",
     )
     overlap: bool = option(
         True,

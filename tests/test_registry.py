@@ -111,7 +111,7 @@ def test_the_flags_table_has_a_row_per_flag_with_its_default() -> None:
     assert [row[0] for row in rows] == [f"`{name}`" for name in HCPassesConfig.flag_names()]
     defaults = HCPassesConfig()
     assert [row[1] for row in rows] == [
-        f"`{value!r}`" for value in (*dict(defaults.pass_flags).values(), 1024, None, False, True)
+        f"`{value!r}`" for value in (*dict(defaults.pass_flags).values(), 1024, None, False, True, True)
     ]
     assert rows[5][3].endswith("; `HCPASSES_DUMP_DIR` overrides it")
     want = "pass 3: shard the HC residual streams by tokens across the TP ranks; reads `sp_min_tokens`, `overlap`"

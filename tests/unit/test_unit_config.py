@@ -17,7 +17,7 @@ from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.passes import PassSpec
 
 PASS_NAMES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
-FLAGS = (*PASS_NAMES, "sp_min_tokens", "dump_dir", "cudagraphs", "overlap")
+FLAGS = (*PASS_NAMES, "sp_min_tokens", "dump_dir", "cudagraphs", "lazy_variants", "overlap")
 
 
 class Extra(GraphPass):
@@ -79,7 +79,7 @@ def test_describe_lists_every_field_and_the_log_line_is_exact(caplog) -> None:
     config = HCPassesConfig(sp_min_tokens=8, dump_dir="d")
     assert config.describe() == (
         "canonical_forms=True, gated_mean_quant=True, sp_rewrite=True, cleanup=True, sp_min_tokens=8, "
-        "dump_dir='d', cudagraphs=False, overlap=True, disabled_by_env=()"
+        "dump_dir='d', cudagraphs=False, lazy_variants=True, overlap=True, disabled_by_env=()"
     )
     with caplog.at_level(logging.INFO, logger="hcpasses"):
         HCPassesConfig.resolve(env={}, sp_min_tokens=8, dump_dir="d")
@@ -139,12 +139,14 @@ def test_every_option_has_help_values_and_its_env_variable() -> None:
         "sp_min_tokens": POSITIVE_INT,
         "dump_dir": PATH_OR_NONE,
         "cudagraphs": BOOL,
+        "lazy_variants": BOOL,
         "overlap": BOOL,
     }
     assert {name: meta["env"] for name, meta in options.items()} == {
         "sp_min_tokens": None,
         "dump_dir": "HCPASSES_DUMP_DIR",
         "cudagraphs": None,
+        "lazy_variants": None,
         "overlap": None,
     }
     assert all(meta["help"] for meta in options.values())
@@ -173,7 +175,7 @@ def test_a_pass_removed_from_the_registry_is_no_flag(monkeypatch) -> None:
         HCPassesConfig.resolve(env={}, sp_rewrite=False)
     assert str(err.value) == (
         "unknown hcpasses flag(s) sp_rewrite; valid flags are: canonical_forms, gated_mean_quant, cleanup, "
-        "sp_min_tokens, dump_dir, cudagraphs, overlap"
+        "sp_min_tokens, dump_dir, cudagraphs, lazy_variants, overlap"
     )
     with pytest.raises(ValueError, match="HCPASSES_DISABLE names unknown pass"):
         HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "sp_rewrite"})
@@ -188,7 +190,7 @@ def test_a_pass_removed_from_the_registry_is_no_flag(monkeypatch) -> None:
             None,
             ("sp_min_tokens", "tokens", "dumps"),
             "pass extra reads unknown option(s) dumps, tokens; options are: "
-            "sp_min_tokens, dump_dir, cudagraphs, overlap",
+            "sp_min_tokens, dump_dir, cudagraphs, lazy_variants, overlap",
         ),
     ],
     ids=["duplicate", "an option's name", "reads no option"],
