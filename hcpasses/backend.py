@@ -38,6 +38,7 @@ import getpass
 import hashlib
 import logging
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,41 @@ class LazyVariant:
         return self.fallback
 
 
+class LazyInputs:
+    """The example inputs of a compile that happens later, without keeping the first call's activations alive.
+
+    A tensor the model still holds (a parameter, a buffer) is given as itself, through a weak reference; a tensor
+    Dynamo made for the call (a Python float it lifted to a 0-d tensor: the graph reads its value with ``.item()``
+    while it compiles) is kept, when it is that small; any other tensor that is gone by then (an activation) is
+    replaced by Dynamo's fake of it, which carries the same symbolic sizes. Sizes (SymInts) are kept as they are.
+    """
+
+    SMALL = 1  # elements: tensors up to this size are kept alive
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        fakes = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+        if len(fakes) != len(example_inputs):
+            raise ValueError(f"{len(example_inputs)} example inputs for {len(fakes)} placeholders")
+        self.inputs: list[Callable[[], Any]] = []
+        for value, fake in zip(example_inputs, fakes, strict=True):
+            if isinstance(value, torch.Tensor) and value.numel() > self.SMALL and fake is not None:
+                self.inputs.append(functools.partial(_alive_or, weakref.ref(value), fake))
+            else:
+                self.inputs.append(functools.partial(_itself, value))
+
+    def get(self) -> list[Any]:
+        return [value() for value in self.inputs]
+
+
+def _itself(value: Any) -> Any:
+    return value
+
+
+def _alive_or(reference: weakref.ref, fake: Any) -> Any:
+    value = reference()
+    return fake if value is None else value
+
+
 @dataclasses.dataclass(frozen=True)
 class _ShapeEnvState:
     guards: int
@@ -302,11 +338,11 @@ class HCPassesBackend:
         context = torch._guards.TracingContext.try_get()
         unsharded: Callable[..., Any]
         if tokens is not None and self.config.lazy_variants and context is not None:
-            # Dynamo's fake inputs, not its real ones: a kept activation would hold its memory until the first
-            # small-T call.
-            fakes = [node.meta["example_value"] for node in gm.graph.nodes if node.op == "placeholder"]
+            inputs = LazyInputs(gm, example_inputs)
             unsharded = LazyVariant(
-                lambda: self._compile(gm, fakes, manager, "unsharded", cudagraphs=cudagraphs)[0], sharded, context
+                lambda: self._compile(gm, inputs.get(), manager, "unsharded", cudagraphs=cudagraphs)[0],
+                sharded,
+                context,
             )
         else:
             unsharded, _ = self._compile(gm, example_inputs, manager, "unsharded", cudagraphs=cudagraphs)

@@ -77,8 +77,12 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
     assert row["passes_over_inductor"] == pytest.approx(row["passes_s"] / row["inductor_compile_s"], abs=1e-4)
     assert row["goal_met"] == (row["passes_over_inductor"] <= compile_cost.GOAL)
     assert row["passes_ms_per_node"] == pytest.approx(row["passes_s"] * 1e3 / row["nodes"], abs=1e-3)
-    # symbolic T and SP: each graph compiled sharded and unsharded; the call ran the sharded one only
-    assert sp["graphs_by_variant"] == {"sharded": sp["dispatched_graphs"], "unsharded": sp["dispatched_graphs"]}
+    # symbolic T and SP: each graph compiled sharded, and unsharded on the first call with T < sp_min_tokens; a graph
+    # Dynamo traced and then dropped (it may trace a dynamic frame twice) is never called, so never compiled unsharded
+    by_variant = sp["graphs_by_variant"]
+    assert set(by_variant) == {"sharded", "unsharded"} and by_variant["sharded"] == sp["dispatched_graphs"]
+    assert 1 <= by_variant["unsharded"] <= sp["dispatched_graphs"]
     assert set(sp["variant_compile_s"]) == {"sharded", "unsharded"}
-    assert sp["variant_calls"] == {"sharded": 2, "unsharded": 0}
+    assert sp["variant_calls"] == {"sharded": 2, "unsharded": 1}
+    assert sp["small_t_first_call_s"] >= sp["variant_compile_s"]["unsharded"] > 0
     assert sp["per_pass_s"]["sp_rewrite"] > 0 and "unsharded" in done.stdout

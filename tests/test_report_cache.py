@@ -20,11 +20,13 @@ VARIANTS = [(1, 0, False), (2, 0, False), (2, 1, False), (2, 0, True), (2, 1, Tr
 
 def compile_variant(tp: int, rank: int, dynamic: bool) -> list[GraphReport]:
     torch._dynamo.reset()
-    be = hcpasses.backend(sp_min_tokens=1)
+    be = hcpasses.backend(sp_min_tokens=8)
     model = UserHC(layers=1, tp=tp, rank=rank)
-    ids = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(rank))
+    compiled = torch.compile(model, backend=be, dynamic=dynamic)
+    # with a symbolic T, the second call (5 < sp_min_tokens) compiles the unsharded variant (lazy_variants)
     with fake_process_group(rank, tp), torch.no_grad():
-        torch.compile(model, backend=be, dynamic=dynamic)(ids)
+        for tokens in (9, 5) if dynamic else (9,):
+            compiled(torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(rank)))
     return be.reports
 
 

@@ -154,7 +154,10 @@ def test_cudagraphs_only_for_unsharded_graphs(monkeypatch) -> None:
     torch._dynamo.reset()
     be = hcpasses.backend(sp_min_tokens=64, cudagraphs=True)
     with passes_run_every_compile(), torch.no_grad():
-        torch.compile(model, backend=be, dynamic=True)(torch.randint(0, 64, (80,)))
+        compiled = torch.compile(model, backend=be, dynamic=True)
+        compiled(torch.randint(0, 64, (80,)))
+        assert [r.variant for r in be.reports] == ["sharded"]  # the unsharded variant waits for a small T
+        compiled(torch.randint(0, 64, (12,)))
     assert [r.variant for r in be.reports] == ["sharded", "unsharded"], [str(r) for r in be.reports]
     # Dynamo may trace the dynamic graph twice; every compile of the sharded pipeline is without CUDA graphs
     flags = [(p["post_grad_custom_pre_pass"].config.pass_enabled("sp_rewrite"), p["triton.cudagraphs"]) for p in seen]
