@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import hcpasses
 from hcpasses.backend import LazyVariant
+from hcpasses.testing.models import HCConfig, HCDecoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from simulated_tp import simulated_tp
@@ -59,6 +60,22 @@ def test_the_unsharded_variant_is_compiled_on_the_first_small_call_and_serves_ev
     assert isinstance(dispatch.unsharded, LazyVariant) == lazy
     if lazy:
         assert dispatch.unsharded.added == [] and dispatch.unsharded.compiled is not dispatch.sharded
+
+
+def test_a_graph_that_reads_a_lifted_float_compiles_its_unsharded_variant_lazily() -> None:
+    """HCDecoder's norms read ``eps``, a Python float Dynamo lifts to a 0-d tensor input that the graph reads with
+    ``.item()`` while it compiles: the lazy compile needs that input's value, not only its fake."""
+    torch._dynamo.reset()
+    model = HCDecoder(HCConfig.tiny(n_heads=12, n_kv_heads=12, intermediate=96), tp_rank=0, tp_size=2)
+    be = hcpasses.backend(sp_min_tokens=MIN_TOKENS)
+    compiled = torch.compile(model, backend=be, dynamic=True)
+    with simulated_tp(2, 0), torch.no_grad():
+        compiled(ids(32))
+        got = compiled(ids(8))
+        torch.testing.assert_close(got, model(ids(8)), rtol=1e-4, atol=1e-4)
+    (dispatch,) = be.dispatchers
+    assert dispatch.calls == {"sharded": 1, "unsharded": 1} and dispatch.unsharded.added == []
+    assert [r.variant for r in be.reports] == ["sharded", "unsharded"]
 
 
 def tracing_context() -> tuple[torch._guards.TracingContext, torch.SymInt]:

@@ -484,4 +484,40 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_sp_kept_rows.py",),
         k="tensor_index",
     ),
+    Mutant(
+        name="lazy_variant_ignores_new_constraints",
+        fault="a lazy unsharded compile that added shape guards Dynamo never checks is used all the same",
+        file="hcpasses/backend.py",
+        old="""        if not self.added:
+            return compiled
+""",
+        new="""        if compiled is not None:  # "the compile succeeded, so the variant is good"
+            return compiled
+""",
+        tests=("tests/test_lazy_variants.py",),
+        k="gives",
+    ),
+    Mutant(
+        name="lazy_inputs_drop_lifted_floats",
+        fault="the lazy compile gets Dynamo's fakes for every tensor that is gone, tiny ones too (a lifted float)",
+        file="hcpasses/backend.py",
+        old="""    SMALL = 1  # elements: tensors up to this size are kept alive
+""",
+        new="""    SMALL = 0  # elements: tensors up to this size are kept alive
+""",
+        tests=("tests/test_lazy_variants.py",),
+        k="lifted",
+    ),
+    Mutant(
+        name="lazy_variant_outside_dynamo_context",
+        fault="the lazy unsharded compile runs outside the Dynamo context it was made in (sizes specialised)",
+        file="hcpasses/backend.py",
+        old="""        with torch._guards.tracing(self.context):
+            compiled = self._compile()
+""",
+        new="""        compiled = self._compile()
+""",
+        tests=("tests/test_lazy_variants.py",),
+        k="first_small_call or context_it_was_made",
+    ),
 )
