@@ -214,10 +214,7 @@ class LazyInputs:
 
     SMALL = 1  # elements: tensors up to this size are kept alive
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-        fakes = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
-        if len(fakes) != len(example_inputs):
-            raise ValueError(f"{len(example_inputs)} example inputs for {len(fakes)} placeholders")
+    def __init__(self, example_inputs: Sequence[Any], fakes: Sequence[Any]) -> None:
         self.inputs: list[Callable[[], Any]] = []
         for value, fake in zip(example_inputs, fakes, strict=True):
             if isinstance(value, torch.Tensor) and value.numel() > self.SMALL and fake is not None:
@@ -337,8 +334,10 @@ class HCPassesBackend:
         cudagraphs = self.config.cudagraphs
         context = torch._guards.TracingContext.try_get()
         unsharded: Callable[..., Any]
-        if tokens is not None and self.config.lazy_variants and context is not None:
-            inputs = LazyInputs(gm, example_inputs)
+        fakes = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+        lazy = self.config.lazy_variants and context is not None and len(fakes) == len(example_inputs)
+        if tokens is not None and lazy:
+            inputs = LazyInputs(example_inputs, fakes)
             unsharded = LazyVariant(
                 lambda: self._compile(gm, inputs.get(), manager, "unsharded", cudagraphs=cudagraphs)[0],
                 sharded,

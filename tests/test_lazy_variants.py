@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import hcpasses
-from hcpasses.backend import LazyVariant
+from hcpasses.backend import LazyInputs, LazyVariant
 from hcpasses.testing.models import HCConfig, HCDecoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -76,6 +77,17 @@ def test_a_graph_that_reads_a_lifted_float_compiles_its_unsharded_variant_lazily
     (dispatch,) = be.dispatchers
     assert dispatch.calls == {"sharded": 1, "unsharded": 1} and dispatch.unsharded.added == []
     assert [r.variant for r in be.reports] == ["sharded", "unsharded"]
+
+
+def test_lazy_inputs_keep_no_activation_alive_but_keep_what_the_model_holds_and_tiny_tensors() -> None:
+    activation, weight, lifted = torch.randn(8, 4), torch.nn.Parameter(torch.randn(4, 4)), torch.tensor(1e-6)
+    fakes = ["fake activation", "fake weight", "fake lifted", None]
+    inputs = LazyInputs([activation, weight, lifted, 7], fakes)
+    released = weakref.ref(activation)
+    del activation  # the first call is over: only the lazy inputs could still hold it
+    assert released() is None
+    got = inputs.get()
+    assert got[0] == "fake activation" and got[1] is weight and got[2] is lifted and got[3] == 7
 
 
 def tracing_context() -> tuple[torch._guards.TracingContext, torch.SymInt]:
