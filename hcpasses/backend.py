@@ -184,7 +184,7 @@ class LazyVariant:
         return self.compiled(*args)
 
     def _compile_checked(self) -> Callable[..., Any]:
-        shape_env = self.context.fake_mode.shape_env
+        shape_env = _shape_env_of(self.context)
         before = _shape_env_state(shape_env)
         with torch._guards.tracing(self.context):
             compiled = self._compile()
@@ -244,9 +244,13 @@ class _ShapeEnvState:
 
 def _shape_env_state(shape_env: Any) -> _ShapeEnvState:
     """What Dynamo reads from a ShapeEnv to build a frame's guards (internals, the same in 2.11 and 2.13)."""
-    if shape_env is None:
-        return _ShapeEnvState(0, {}, {})
     return _ShapeEnvState(len(shape_env.guards), dict(shape_env.replacements), dict(shape_env.var_to_range))
+
+
+def _shape_env_of(context: Any) -> Any:
+    """The ShapeEnv of a Dynamo ``TracingContext`` (None without one: nothing to compile lazily against)."""
+    fake_mode = getattr(context, "fake_mode", None)
+    return getattr(fake_mode, "shape_env", None)
 
 
 class HCPassesBackend:
@@ -335,7 +339,7 @@ class HCPassesBackend:
         context = torch._guards.TracingContext.try_get()
         unsharded: Callable[..., Any]
         fakes = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
-        lazy = self.config.lazy_variants and context is not None and len(fakes) == len(example_inputs)
+        lazy = self.config.lazy_variants and _shape_env_of(context) is not None and len(fakes) == len(example_inputs)
         if tokens is not None and lazy:
             inputs = LazyInputs(example_inputs, fakes)
             unsharded = LazyVariant(

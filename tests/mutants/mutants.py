@@ -494,7 +494,7 @@ MUTANTS: tuple[Mutant, ...] = (
         new="""        if compiled is not None:  # "the compile succeeded, so the variant is good"
             return compiled
 """,
-        tests=("tests/test_lazy_variants.py",),
+        tests=("tests/unit/test_unit_backend.py",),
         k="gives",
     ),
     Mutant(
@@ -517,7 +517,7 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         new="""        compiled = self._compile()
 """,
-        tests=("tests/test_lazy_variants.py",),
+        tests=("tests/unit/test_unit_backend.py",),
         k="first_small_call or context_it_was_made",
     ),
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,17 @@ import pytest
 import torch
 import torch.fx as fx
 from harness.graphs import add_unused_neg, traced
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import hcpasses
 from hcpasses.backend import (
     MICRO_PIPELINE_TP,
     HCPassesBackend,
+    LazyInputs,
+    LazyVariant,
     TokenCount,
     TokenDispatch,
     compile_with_defaults,
@@ -126,11 +132,14 @@ class Compiles:
         self.cache_hit = False
         self.graphs_per_compile = 1
         self.fix_tokens = False  # the first compile fixes T (dim 0 of the first input), as Inductor may
+        self.fix_tokens_in = 0  # or the compile of this number (from 1) does
+        self.contexts: list[Any] = []  # Dynamo's TracingContext during each compile
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], config_patches: dict[str, Any]) -> Any:
         self.patches.append(config_patches)
         self.seen.append((gm, example_inputs))
-        if self.fix_tokens and len(self.patches) == 1:
+        self.contexts.append(torch._guards.TracingContext.try_get())
+        if (self.fix_tokens and len(self.patches) == 1) or len(self.patches) == self.fix_tokens_in:
             first = next(node for node in gm.graph.nodes if node.op == "placeholder")
             int(first.meta["example_value"].shape[0])  # guard_int: the ShapeEnv replaces the symbol by its value
         for _ in range(0 if self.cache_hit else self.graphs_per_compile):
@@ -402,3 +411,139 @@ def test_micro_pipeline_tp_only_for_sp_compiles_over_fusable_groups(
 
 def test_no_symmetric_memory_group_without_cuda() -> None:
     assert symmetric_memory_groups() == []  # this machine: no CUDA, whatever the process groups
+
+
+# ------------------------------------------------------------------------------------------ lazy_variants
+
+
+def test_lazy_inputs_keep_no_activation_alive_but_keep_what_the_model_holds_and_tiny_tensors() -> None:
+    activation, weight, lifted = torch.randn(8, 4), torch.nn.Parameter(torch.randn(4, 4)), torch.tensor(1e-6)
+    fakes = ["fake activation", "fake weight", "fake lifted", None]
+    inputs = LazyInputs([activation, weight, lifted, 7], fakes)
+    released = weakref.ref(activation)
+    del activation  # the first call is over: only the lazy inputs could still hold it
+    assert released() is None
+    got = inputs.get()
+    assert got[0] == "fake activation" and got[1] is weight and got[2] is lifted and got[3] == 7
+
+
+def tracing_context() -> tuple[torch._guards.TracingContext, torch.SymInt]:
+    """A Dynamo-like context: a fake mode over a ShapeEnv holding one backed size symbol (hint 32)."""
+    shape_env = ShapeEnv()
+    context = torch._guards.TracingContext(FakeTensorMode(shape_env=shape_env))
+    tokens = shape_env.create_symintnode(shape_env.create_symbol(32, ConstantSource("tokens")), hint=32)
+    return context, tokens
+
+
+def sharded(*args: object) -> str:
+    return "sharded"
+
+
+def test_a_lazy_compile_runs_in_the_context_it_was_made_in_and_only_once() -> None:
+    context, _ = tracing_context()
+    contexts = []
+
+    def compile_unsharded() -> object:
+        contexts.append(torch._guards.TracingContext.try_get())
+        return lambda *args: ("unsharded", args)
+
+    variant = LazyVariant(compile_unsharded, sharded, context)
+    assert contexts == [] and variant.compiled is None and variant.added == []  # nothing compiled before a call
+    assert variant(1, 2) == ("unsharded", (1, 2)) and variant(3) == ("unsharded", (3,))
+    assert contexts == [context] and variant.added == []
+    assert torch._guards.TracingContext.try_get() is None  # the context is left again
+
+
+@pytest.mark.parametrize(
+    ("constrain", "added"),
+    [
+        (lambda tokens: bool(tokens >= 4), "{s} >= 4"),  # a guard
+        (lambda tokens: bool(tokens == 32), "{s} -> 32"),  # a specialisation
+        (lambda tokens: torch._check(tokens <= 1000), "{s} in VR[2, 1000]"),  # a narrowed range
+    ],
+)
+def test_a_lazy_compile_that_adds_shape_constraints_gives_the_variant_up_for_the_sharded_graph(
+    constrain, added: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    context, tokens = tracing_context()
+    symbol = str(tokens)  # before a specialisation prints it as its value
+
+    def compile_unsharded() -> object:
+        constrain(tokens)  # what a compile that specialises on T does to Dynamo's ShapeEnv
+        return lambda *args: "unsharded"
+
+    variant = LazyVariant(compile_unsharded, sharded, context)
+    with caplog.at_level(logging.WARNING, logger="hcpasses"):
+        assert variant() == "sharded" and variant() == "sharded"
+    added = added.format(s=symbol)
+    assert added in variant.added, variant.added
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "hcpasses"]
+    assert "no longer checks" in warning and added in warning and "lazy_variants=False" in warning
+
+
+def dynamo_context(gm: fx.GraphModule) -> torch._guards.TracingContext:
+    """A TracingContext over the fake mode (and ShapeEnv) of ``gm``'s placeholders, as Dynamo's backend call has."""
+    fakes = [node.meta["example_value"] for node in gm.graph.nodes if node.op == "placeholder"]
+    return torch._guards.TracingContext(torch._guards.detect_fake_mode(fakes))
+
+
+def lazy_dispatch(compiles: Compiles, **flags: Any) -> tuple[TokenDispatch, HCPassesBackend, list[torch.Tensor], Any]:
+    gm, inputs = graph_and_inputs()
+    be = make_backend(size_symbols(gm)[0], sp_min_tokens=6, **flags)
+    context = dynamo_context(gm)
+    with torch._guards.tracing(context):
+        compiled = be(gm, inputs)
+    assert isinstance(compiled, TokenDispatch)
+    return compiled, be, inputs, context
+
+
+def small(rows: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(rows, 3), torch.empty(rows, 4)
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_lazy_variants_compile_the_unsharded_variant_on_the_first_small_call(
+    compiles: Compiles, cudagraphs: bool
+) -> None:
+    compiled, be, inputs, context = lazy_dispatch(compiles, cudagraphs=cudagraphs)
+    assert isinstance(compiled.unsharded, LazyVariant)
+    assert len(compiles.patches) == 1 and [r.variant for r in be.reports] == ["sharded"]
+    assert compiled(*small(6))[0] == 1 and len(compiles.patches) == 1  # T >= sp_min_tokens: nothing more compiled
+    assert compiled(*small(5))[0] == 2  # the second compile, made now: unsharded
+    assert compiled(*small(1))[0] == 2 and len(compiles.patches) == 2  # compiled once
+    assert [manager_flags(p) for p in compiles.patches] == [(True, False, False), (False, False, cudagraphs)]
+    assert compiles.contexts == [context, context]  # the lazy compile re-entered the backend call's context
+    assert [r.variant for r in be.reports] == ["sharded", "unsharded"] and [r.index for r in be.reports] == [0, 1]
+    assert all(got is want for got, want in zip(compiles.seen[1][1], inputs, strict=True))  # alive: themselves
+    assert compiled.unsharded.added == [] and compiled.calls == {"sharded": 1, "unsharded": 2}
+
+
+def test_a_lazy_compile_gets_dynamos_fakes_for_inputs_that_are_gone(compiles: Compiles) -> None:
+    compiled, _, inputs, _ = lazy_dispatch(compiles)
+    gm = compiles.seen[0][0]
+    fakes = [node.meta["example_value"] for node in gm.graph.nodes if node.op == "placeholder"]
+    del inputs[:]  # the first call's activations are gone (the stub's record of them too)
+    compiles.seen.clear()
+    compiled(*small())
+    assert all(got is fake for got, fake in zip(compiles.seen[0][1], fakes, strict=True))
+
+
+def test_lazy_variants_off_or_inputs_that_do_not_line_up_compile_both_variants_up_front(compiles: Compiles) -> None:
+    compiled, be, _, _ = lazy_dispatch(compiles, lazy_variants=False)
+    assert not isinstance(compiled.unsharded, LazyVariant) and len(compiles.patches) == 2
+    compiles.patches.clear()
+    gm, inputs = graph_and_inputs()
+    be = make_backend(size_symbols(gm)[0], sp_min_tokens=6)
+    with torch._guards.tracing(dynamo_context(gm)):
+        compiled = be(gm, [*inputs, 3])  # one input more than the graph's placeholders
+    assert not isinstance(compiled.unsharded, LazyVariant) and len(compiles.patches) == 2
+
+
+def test_a_lazy_compile_that_fixes_the_token_count_gives_the_variant_up(compiles: Compiles, caplog) -> None:
+    compiles.fix_tokens_in = 2  # the unsharded compile specialises T: a guard Dynamo will never check
+    compiled, _, _, _ = lazy_dispatch(compiles)
+    with caplog.at_level(logging.WARNING, logger="hcpasses"):
+        assert compiled(*small())[0] == 1 and compiled(*small(3))[0] == 1  # the sharded graph runs small T
+    assert len(compiles.patches) == 2 and compiled.unsharded.added  # compiled once, then given up
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "hcpasses"]
+    assert "no longer checks" in warning and compiled.unsharded.added[0] in warning
