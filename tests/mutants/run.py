@@ -6,8 +6,8 @@ hypothesis profile with a fixed seed, a fresh Inductor cache dir). ``hcpasses`` 
 ``hcpasses.testing.models``) is imported from the copy, never from the editable install: PYTHONPATH and the
 working directory point at the copy, and a pytest plugin in the child checks where both came from and stops
 the run (a runner error) if either is not the copy. Two self-checks run first: the baseline (the union of
-the selected tests on the unmutated copy) must pass, and a canary mutant that breaks ``import hcpasses`` must be
-killed.
+the selected tests on the unmutated copy, a few test ids per run) must pass, and a canary mutant that breaks
+``import hcpasses`` must be killed.
 
 A mutant is *killed* when pytest fails (exit 1: a test failed; exit 2: collection or import failed),
 *survived* on exit 0; any other exit (no tests collected, usage error, internal error) or a timeout is a
@@ -42,6 +42,8 @@ except ImportError:  # python tests/mutants/run.py
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-rfE", "--hypothesis-seed=0", "-p", "_mutant_guard")
+BASELINE = "baseline"
+BASELINE_CHUNK = 6  # selected test ids per baseline run (see baseline_runs)
 KILLED_EXITS = {1, 2}  # tests failed; interrupted (collection / import errors)
 
 CANARY = Mutant(
@@ -198,6 +200,27 @@ def run_mutant(mutant: Mutant, files: list[str], timeout: float, keep: bool) -> 
             shutil.rmtree(work, ignore_errors=True)
 
 
+def baseline_runs(selected: list[Mutant]) -> list[Mutant]:
+    """The baseline self-check: the union of the selected tests on the unmutated copy, in chunks.
+
+    One run of the whole union took 580 s on a 2-core dev machine and passed the 600 s timeout on CI's slower
+    one (2026-12-05); chunks of ``BASELINE_CHUNK`` test ids each stay far below any mutant's timeout and run
+    side by side with ``--jobs``.
+    """
+    tests = list(dict.fromkeys(t for m in selected for t in m.tests))
+    chunks = [tuple(tests[i : i + BASELINE_CHUNK]) for i in range(0, len(tests), BASELINE_CHUNK)]
+    fault = "(runner self-check) no mutant: the selected tests must pass"
+    return [Mutant(f"{BASELINE} {i}/{len(chunks)}", fault, "", "", "", chunk) for i, chunk in enumerate(chunks, 1)]
+
+
+def is_baseline(mutant: Mutant) -> bool:
+    return mutant.name.startswith(BASELINE + " ")
+
+
+def is_self_check(mutant: Mutant) -> bool:
+    return is_baseline(mutant) or mutant.name == CANARY.name
+
+
 def table(outcomes: list[Outcome]) -> str:
     lines = ["| mutant | fault | killed by | status |", "|---|---|---|---|"]
     for o in outcomes:
@@ -254,10 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_canary:
         runs.insert(0, CANARY)
     if not args.no_baseline:
-        tests = tuple(dict.fromkeys(t for m in selected for t in m.tests))
-        runs.insert(
-            0, Mutant("baseline", "(runner self-check) no mutant: the selected tests must pass", "", "", "", tests)
-        )
+        runs[:0] = baseline_runs(selected)
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [pool.submit(run_mutant, m, files, args.timeout, args.keep) for m in runs]
@@ -275,16 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - start
 
     bad = []
-    self_checks = ("baseline", CANARY.name)
-    checks = [o for o in outcomes if o.mutant.name in self_checks]
+    checks = [o for o in outcomes if is_self_check(o.mutant)]
     for o in checks:
-        expected = "SURVIVED" if o.mutant.name == "baseline" else "killed"
+        expected = "SURVIVED" if is_baseline(o.mutant) else "killed"
         if o.status != expected:
             want = "its tests pass" if expected == "SURVIVED" else "killed"
             bad.append(f"runner self-check {o.mutant.name}: {o.status}, expected {want}")
             if o.detail and not args.verbose and o.status != "ERROR":
                 print(textwrap.indent(o.detail[-6000:], "    "), file=sys.stderr)
-    results = [o for o in outcomes if o.mutant.name not in self_checks]
+    results = [o for o in outcomes if not is_self_check(o.mutant)]
     print(table(results))
     print(f"\n{len(results)} mutants in {total:.0f} s")
     bad += [f"{o.mutant.name}: {o.status}" for o in results if o.status != "killed"]
