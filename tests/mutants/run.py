@@ -210,11 +210,11 @@ def baseline_runs(selected: list[Mutant]) -> list[Mutant]:
     tests = list(dict.fromkeys(t for m in selected for t in m.tests))
     chunks = [tuple(tests[i : i + BASELINE_CHUNK]) for i in range(0, len(tests), BASELINE_CHUNK)]
     fault = "(runner self-check) no mutant: the selected tests must pass"
-    return [Mutant(f"{BASELINE} {i}/{len(chunks)}", fault, "", "", "", chunk) for i, chunk in enumerate(chunks, 1)]
+    return [Mutant(f"{BASELINE}-{i}-of-{len(chunks)}", fault, "", "", "", chunk) for i, chunk in enumerate(chunks, 1)]
 
 
 def is_baseline(mutant: Mutant) -> bool:
-    return mutant.name.startswith(BASELINE + " ")
+    return mutant.name.startswith(BASELINE + "-")  # mutants' names are snake_case: none starts so
 
 
 def is_self_check(mutant: Mutant) -> bool:

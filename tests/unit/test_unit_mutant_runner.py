@@ -15,7 +15,8 @@ def test_the_baseline_chunks_cover_every_selected_test_once_in_order() -> None:
     assert len(runs) > 1, "the union of every mutant's tests is one chunk: it will not fit a mutant's timeout"
     assert [t for run in runs for t in run.tests] == union
     assert all(0 < len(run.tests) <= BASELINE_CHUNK for run in runs)
-    assert [run.name for run in runs] == [f"baseline {i}/{len(runs)}" for i in range(1, len(runs) + 1)]
+    assert [run.name for run in runs] == [f"baseline-{i}-of-{len(runs)}" for i in range(1, len(runs) + 1)]
+    assert all("/" not in run.name for run in runs), "the name is a temp dir's prefix"
     assert all(run.file == "" and run.k is None for run in runs), "a baseline chunk must not mutate anything"
 
 
