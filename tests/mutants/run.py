@@ -6,7 +6,7 @@ hypothesis profile with a fixed seed, a fresh Inductor cache dir). ``hcpasses`` 
 ``hcpasses.testing.models``) is imported from the copy, never from the editable install: PYTHONPATH and the
 working directory point at the copy, and a pytest plugin in the child checks where both came from and stops
 the run (a runner error) if either is not the copy. Two self-checks run first: the baseline (the union of
-the selected tests on the unmutated copy, a few test ids per run) must pass, and a canary mutant that breaks
+the selected tests on the unmutated copy, one run per selected test or file) must pass, and a canary mutant that breaks
 ``import hcpasses`` must be killed.
 
 A mutant is *killed* when pytest fails (exit 1: a test failed; exit 2: collection or import failed),
@@ -43,7 +43,6 @@ except ImportError:  # python tests/mutants/run.py
 ROOT = Path(__file__).resolve().parents[2]
 PYTEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-rfE", "--hypothesis-seed=0", "-p", "_mutant_guard")
 BASELINE = "baseline"
-BASELINE_CHUNK = 6  # selected test ids per baseline run (see baseline_runs)
 KILLED_EXITS = {1, 2}  # tests failed; interrupted (collection / import errors)
 
 CANARY = Mutant(
@@ -201,16 +200,15 @@ def run_mutant(mutant: Mutant, files: list[str], timeout: float, keep: bool) -> 
 
 
 def baseline_runs(selected: list[Mutant]) -> list[Mutant]:
-    """The baseline self-check: the union of the selected tests on the unmutated copy, in chunks.
+    """The baseline self-check: the union of the selected tests on the unmutated copy, one run per selected entry
+    (a test id or a whole file), each with a mutant's timeout, side by side with ``--jobs``.
 
     One run of the whole union took 580 s on a 2-core dev machine and passed the 600 s timeout on CI's slower
-    one (2026-12-05); chunks of ``BASELINE_CHUNK`` test ids each stay far below any mutant's timeout and run
-    side by side with ``--jobs``.
+    one (2026-12-05); a chunk of 6 entries with three whole files in it still took 473 s.
     """
     tests = list(dict.fromkeys(t for m in selected for t in m.tests))
-    chunks = [tuple(tests[i : i + BASELINE_CHUNK]) for i in range(0, len(tests), BASELINE_CHUNK)]
     fault = "(runner self-check) no mutant: the selected tests must pass"
-    return [Mutant(f"{BASELINE}-{i}-of-{len(chunks)}", fault, "", "", "", chunk) for i, chunk in enumerate(chunks, 1)]
+    return [Mutant(f"{BASELINE}-{i}-of-{len(tests)}", fault, "", "", "", (t,)) for i, t in enumerate(tests, 1)]
 
 
 def is_baseline(mutant: Mutant) -> bool:
