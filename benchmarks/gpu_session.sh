@@ -5,12 +5,13 @@
 #
 #     bash benchmarks/gpu_session.sh tests      # GPU test files, then the fla test alone (about 220 s)
 #     bash benchmarks/gpu_session.sh prefill    # deepseek_v4 tp 8 (the SP prologue), qwen4_exp FP8 tp 4 (host time)
+#     bash benchmarks/gpu_session.sh scans      # blocked_scans: the scan alone, then qwen4_exp bf16 tp 8 per kernel
 #
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
 set -uo pipefail
 out=${OUT:?set OUT to the folder the results go to}
-if [ "${1:-}" != tests ] && [ "${1:-}" != prefill ]; then
-    echo "usage: bash benchmarks/gpu_session.sh tests|prefill" >&2
+if [ "${1:-}" != tests ] && [ "${1:-}" != prefill ] && [ "${1:-}" != scans ]; then
+    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans" >&2
     exit 2
 fi
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
@@ -26,7 +27,7 @@ tests)
         tests/test_gpu.py tests/test_kernels.py tests/test_quant_evaluation.py tests/real_models/test_compile.py \
         tests/real_models/test_sp_real.py tests/real_models/test_export_check.py \
         tests/real_models/test_delta_rule_op.py tests/test_sp_prologue.py tests/real_models/test_sp_prologue_real.py \
-        tests/test_sp_kept_rows.py tests/test_lazy_variants.py -k "not interpreter" 2>&1 | tee "$out/gpu_tests.log" | tail -15
+        tests/test_sp_kept_rows.py tests/test_lazy_variants.py tests/test_blocked_scans.py -k "not interpreter" 2>&1 | tee "$out/gpu_tests.log" | tail -15
     PYTHONPATH=/tmp/site_fla:/tmp/site:.:tests timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs \
         tests/real_models/test_delta_rule_op.py -k flash_linear 2>&1 | tee "$out/fla.log" | tail -3
     ;;
@@ -36,6 +37,14 @@ prefill)
         --variants sp_off,hcpasses_sp --tag ds2_prologue_tp8_h200 2>&1 | tee "$out/ds.log" | grep -E "^(deep|case)"
     PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 200 $bench --models qwen4_exp --layers 3 --dtypes fp8 \
         --tp 4 --variants sp_off,hcpasses_sp,handwritten_sp --tag q3_fp8_tp4_host_h200 2>&1 | tee "$out/q.log" \
+        | grep -E "^(qwen|case)"
+    ;;
+scans)
+    PYTHONPATH=.:tests timeout 150 python3 benchmarks/blocked_scans.py --out "$out/blocked_scans_h200.json" 2>&1 \
+        | tee "$out/scans.log" | grep -E "^\["
+    bench="python3 benchmarks/prefill_hf.py --tokens 16384 --warmup 1 --repeats 10 --out $out"
+    PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 300 $bench --models qwen4_exp --layers 3 --dtypes bf16 \
+        --tp 8 --variants handwritten_sp,hcpasses_sp --tag q3_bf16_tp8_scans_h200 2>&1 | tee "$out/q.log" \
         | grep -E "^(qwen|case)"
     ;;
 esac

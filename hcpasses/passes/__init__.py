@@ -15,6 +15,7 @@ import dataclasses
 import functools
 
 from hcpasses.graph_pass import GraphPass
+from hcpasses.passes.blocked_scans import BlockedScans
 from hcpasses.passes.canonical_forms import CanonicalForms
 from hcpasses.passes.cleanup import DeadCodeCleanup
 from hcpasses.passes.gated_mean_quant import GatedMeanQuantFusion
@@ -55,6 +56,12 @@ PASSES: tuple[PassSpec, ...] = (
         True,
         "shard the HC residual streams by tokens across the TP ranks",
         reads=("sp_min_tokens", "overlap"),
+    ),
+    PassSpec(
+        BlockedScans,
+        True,
+        "run a long cummax / cummin whose indices nothing reads as a two-level blocked scan, which Inductor lowers "
+        "to Triton instead of ATen's kernel (CUDA)",
     ),
     PassSpec(DeadCodeCleanup, True, "erase the pure ops whose results nothing uses"),
 )

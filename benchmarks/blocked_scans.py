@@ -1,0 +1,117 @@
+"""Kernel time of a long running max with and without the ``blocked_scans`` pass, side by side in one process.
+
+    PYTHONPATH=. python benchmarks/blocked_scans.py --out benchmarks/results/blocked_scans_h200.json        # GPU
+    python benchmarks/blocked_scans.py --cpu-smoke --out /tmp/smoke.json     # CPU: the plumbing, tiny sizes
+
+The scan is qwen4_exp's n-gram hashing's (``_shift_right_ignore_eos``): ``cummax(where(ids == eos, positions, -1),
+dim=1).values`` over the token history of ``[batch, length]`` int64 ids, then one pointwise user. Variants, each
+compiled with ``fullgraph=True`` and static shapes: ``inductor`` (plain Inductor), ``off`` (``hcpasses.backend(
+blocked_scans=False)``), ``blocked`` (``hcpasses.backend()``). Every variant's values must equal eager's bit for bit
+(the run stops otherwise). Per case and variant: ``kernel_ms`` (device time of all kernels per call, from
+``torch.profiler`` over ``--repeats`` calls), the kernels per call and their names, and whether the pass applied
+(from the hcpasses report). ``--cpu-smoke`` runs the same on CPU at tiny sizes, where the pass does not apply
+(Inductor scans with ATen on CPU) and kernel times are CPU op times: it checks the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import hcpasses
+
+EOS = 0
+GPU_CASES = ((1, 16387), (1, 65539), (8, 2051), (1, 262147))  # T + the history's 3 ids, as qwen4_exp scans
+SMOKE_CASES = ((1, 300), (2, 50))
+
+
+def eos_scan(ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    previous_eos = torch.cummax(torch.where(ids == EOS, positions, -1), dim=1).values
+    return positions - previous_eos  # a user of the values, as the hashing's position in the segment
+
+
+def compiled(variant: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+    torch._dynamo.reset()
+    if variant == "inductor":
+        return torch.compile(eos_scan, backend="inductor", fullgraph=True, dynamic=False), None
+    be = hcpasses.backend(blocked_scans=variant == "blocked")
+    return torch.compile(eos_scan, backend=be, fullgraph=True, dynamic=False), be
+
+
+def kernel_times(fn: Callable[[], Any], device: str, repeats: int) -> tuple[float, float, dict[str, float]]:
+    """Device ms of all kernels per call, kernels per call, ms per kernel name per call (CPU ops on CPU)."""
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(repeats):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    if device == "cuda":
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ms = [(e.name, e.device_time_total / 1000) for e in events]
+    else:  # top-level CPU ops only: their times include their children
+        ms = [(e.name, e.cpu_time_total / 1000) for e in prof.events() if e.cpu_parent is None]
+    by_name: Counter[str] = Counter()
+    for name, t in ms:
+        by_name[name[:90]] += t / repeats
+    return sum(t for _, t in ms) / repeats, len(ms) / repeats, dict(by_name.most_common(6))
+
+
+def run_case(batch: int, length: int, device: str, warmup: int, repeats: int) -> dict[str, Any]:
+    ids = torch.randint(0, 50, (batch, length), device=device, generator=None)
+    want = eos_scan(ids)
+    row: dict[str, Any] = {"batch": batch, "length": length}
+    for variant in ("inductor", "off", "blocked"):
+        fn, be = compiled(variant)
+        got = fn(ids)
+        if not torch.equal(got, want):
+            raise SystemExit(f"{variant} at [{batch}, {length}]: values differ from eager")
+        for _ in range(warmup):
+            fn(ids)
+        ms, kernels, by_name = kernel_times(lambda fn=fn: fn(ids), device, repeats)
+        applied = be.reports[0].applied.get("blocked_scans", 0) if be is not None else None
+        row[variant] = {"kernel_ms": round(ms, 4), "kernels": kernels, "by_name": by_name, "applied": applied}
+    row["off_over_blocked"] = round(row["off"]["kernel_ms"] / max(row["blocked"]["kernel_ms"], 1e-9), 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the plumbing only")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("needs CUDA (or --cpu-smoke)")
+    torch.manual_seed(0)
+    result: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "cases": [],
+    }
+    for batch, length in SMOKE_CASES if args.cpu_smoke else GPU_CASES:
+        result["cases"].append(run_case(batch, length, device, args.warmup, args.repeats))
+        args.out.write_text(json.dumps(result, indent=1))  # kept so far, should a time-limited call end it
+        case = result["cases"][-1]
+        print(
+            f"[{batch}, {length}] kernel ms: inductor {case['inductor']['kernel_ms']}, off {case['off']['kernel_ms']}, "
+            f"blocked {case['blocked']['kernel_ms']} (applied {case['blocked']['applied']}); "
+            f"off / blocked {case['off_over_blocked']}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
