@@ -26,11 +26,14 @@ of the N values kept; max and min are associative; the combine takes the block's
 as cummax does (``x >= running or isnan(x)``), so a NaN propagates and a tie keeps the later element.
 
 Applies when: the scan's device is CUDA (Inductor scans in Triton there; on CPU every scan is ATen's), its
-indices are unused, its dtype is a float or integer one, and Inductor would split it: at a static length by the
-heuristic above; at a symbolic length always (Inductor decides splits by the first call's size, and a graph for
-every length must not fall back on the long ones; at a short length the blocks cost one small extra scan). Bails
-out (graph untouched, the report says why): no cummax / cummin, indices read, another device or dtype, a static
-row Inductor scans unsplit, more than ``SCAN_BLOCK`` blocks per row (the carry scan would split in turn).
+indices are unused, its dtype is a float or integer one, its sizes are static, and Inductor would split it (the
+heuristic above). Bails out (graph untouched, the report says why): no cummax / cummin, indices read, another
+device or dtype, a row Inductor scans unsplit, more than ``SCAN_BLOCK`` blocks per row (the carry scan would split
+in turn), and symbolic sizes: the blocks' sizes (``ceil(N / L)``, the pad, the slice back to N) make the fake
+values add shape guards (``Ne(ceil(N / 1024), 1)``, ``N <= 1024 * ceil(N / 1024)``, checked on torch 2.13), which
+Dynamo would then check on every call, specialising a graph meant for every length (and a lazily compiled variant
+would be given up). A prefill compiled for one length (``dynamic=False``, as ``benchmarks/prefill_hf.py`` does) is
+blocked; one with a symbolic T is not.
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ class BlockedScans(GraphPass):
         return PassResult(len(notes), "; ".join(skipped) or None, tuple(notes + skipped))
 
 
-def blocked_length(scan: fx.Node) -> int | str | Skipped:
-    """The scanned length (an int, or its symbolic expression) of a ``scan`` this pass rewrites, else why not."""
+def blocked_length(scan: fx.Node) -> int | Skipped:
+    """The scanned length of a ``scan`` this pass rewrites, else why not."""
     x, dim = scan.args[0], _dim(scan)
     val = value_of(x)
     if any(user.target is not operator.getitem or (user.args[1] != 0 and user.users) for user in scan.users):
@@ -96,10 +99,10 @@ def blocked_length(scan: fx.Node) -> int | str | Skipped:
         return Skipped(scan, f"dtype {val.dtype} has no lowest value to start a block from")
     if val.dim() == 0:
         return Skipped(scan, "a 0-d tensor has nothing to scan")
+    if not all(isinstance(size, int) for size in val.shape):
+        return Skipped(scan, f"symbolic sizes {tuple(val.shape)}: the blocks' sizes would add shape guards")
     length = val.shape[dim]
     rows = functools.reduce(operator.mul, (size for d, size in enumerate(val.shape) if d != dim), 1)
-    if not isinstance(length, int) or not isinstance(rows, int):
-        return str(length)  # symbolic: blocked whatever the length (module docstring)
     if not inductor_splits(val.device, length, rows):
         return Skipped(scan, f"Inductor scans {rows} row(s) of {length} elements unsplit, in Triton")
     if -(-length // SCAN_BLOCK) > SCAN_BLOCK:
@@ -116,21 +119,20 @@ def inductor_splits(device: torch.device, length: int, rows: int) -> bool:
 
 
 def block_scan(graph: fx.Graph, scan: fx.Node, block: int) -> fx.Node:
-    """Replace the values of ``scan`` (a cummax / cummin node) with the blocked scan of the module docstring; the
-    new values node. Works on static and symbolic sizes (size nodes of the graph: ``aten.sym_size``)."""
+    """Replace the values of ``scan`` (a cummax / cummin node of static sizes) with the blocked scan of the module
+    docstring; the new values node."""
     x, dim = scan.args[0], _dim(scan)
     val = value_of(x)
     kind, rank = SCANS[scan.target], val.dim()
     lowest = _lowest(val.dtype, kind)
     with graph.inserting_before(scan):
         call = functools.partial(_call, graph)
-        sizes = [_size(graph, x, d, size) for d, size in enumerate(val.shape)]
         order = [d for d in range(rank) if d != dim] + [dim]
-        outer, length = [sizes[d] for d in order[:-1]], sizes[dim]
-        blocks = (_proxy(length) + block - 1) // block
+        outer, length = [val.shape[d] for d in order[:-1]], val.shape[dim]
+        blocks = -(-length // block)
         moved = x if dim == rank - 1 else call(aten.permute.default, x, order)
-        padded = call(aten.constant_pad_nd.default, moved, [0, _node(blocks * block - _proxy(length))])
-        tiles = call(aten.reshape.default, padded, [*outer, _node(blocks), block])
+        padded = call(aten.constant_pad_nd.default, moved, [0, blocks * block - length])
+        tiles = call(aten.reshape.default, padded, [*outer, blocks, block])
         inner = call(operator.getitem, call(scan.target, tiles, -1), 0)
         last = call(aten.select.int, inner, -1, -1)
         carry = call(operator.getitem, call(scan.target, last, -1), 0)
@@ -141,7 +143,7 @@ def block_scan(graph: fx.Graph, scan: fx.Node, block: int) -> fx.Node:
         if val.dtype.is_floating_point:
             own = call(aten.logical_or.default, own, call(aten.isnan.default, inner))
         combined = call(aten.where.self, own, inner, before)
-        rows = call(aten.reshape.default, combined, [*outer, _node(blocks * block)])
+        rows = call(aten.reshape.default, combined, [*outer, blocks * block])
         kept = call(aten.slice.Tensor, rows, -1, 0, length)
         values = kept if dim == rank - 1 else call(aten.permute.default, kept, _inverse(order))
     for user in list(scan.users):  # the values' getitem, and an unused one of the indices
@@ -158,11 +160,6 @@ def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
 def _dim(scan: fx.Node) -> int:
     dim = scan.args[1] if len(scan.args) > 1 else scan.kwargs["dim"]
     return dim % max(1, value_of(scan.args[0]).dim())
-
-
-def _size(graph: fx.Graph, x: fx.Node, dim: int, size: Any) -> Any:
-    """A static size as it is; a symbolic one as a node reading it off ``x``."""
-    return size if isinstance(size, int) else graph.call_function(aten.sym_size.int, (x, dim))
 
 
 def _lowest(dtype: torch.dtype, kind: str) -> float | int:
@@ -182,12 +179,3 @@ def _inverse(order: list[int]) -> list[int]:
     for position, d in enumerate(order):
         inverse[d] = position
     return inverse
-
-
-def _proxy(value: Any) -> Any:
-    """Arithmetic on size nodes writes the same arithmetic into the graph (as ``hcpasses.rows`` does for SP)."""
-    return fx.Proxy(value) if isinstance(value, fx.Node) else value
-
-
-def _node(value: Any) -> Any:
-    return value.node if isinstance(value, fx.Proxy) else value
