@@ -14,7 +14,7 @@ from hcpasses.passes import names
 
 def test_defaults_match_the_public_contract() -> None:
     config = HCPassesConfig.resolve(env={})
-    assert [config.pass_enabled(name) for name in names()] == [True, True, True, True]
+    assert [config.pass_enabled(name) for name in names()] == [True, True, True, True, True]
     assert config.sp_min_tokens == 1024
     assert config.dump_dir is None
 
@@ -28,6 +28,7 @@ def test_unknown_flag_names_every_valid_flag() -> None:
         "canonical_forms",
         "gated_mean_quant",
         "sp_rewrite",
+        "blocked_scans",
         "cleanup",
         "sp_min_tokens",
         "dump_dir",

@@ -15,7 +15,7 @@ from hcpasses.manager import AUTOGRAD_REASON
 from hcpasses.testing.models import HCConfig, HCDecoder
 
 CFG = HCConfig.tiny(n_layers=2, fp8=True, dtype=torch.float32, seed=3)
-PASSES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
+PASSES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "blocked_scans", "cleanup")
 
 
 def compile_and_run(

@@ -143,9 +143,17 @@ def test_passes_run_in_pipeline_order_and_report_counts() -> None:
     out, expected = compile_and_run(be)
     torch.testing.assert_close(out, expected)
     (report,) = be.reports
-    assert [r.name for r in report.passes] == ["canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup"]
-    assert report.applied == {"canonical_forms": 0, "gated_mean_quant": 1, "sp_rewrite": 0, "cleanup": 1}
+    names = ["canonical_forms", "gated_mean_quant", "sp_rewrite", "blocked_scans", "cleanup"]
+    assert [r.name for r in report.passes] == names
+    assert report.applied == {
+        "canonical_forms": 0,
+        "gated_mean_quant": 1,
+        "sp_rewrite": 0,
+        "blocked_scans": 0,
+        "cleanup": 1,
+    }
     assert report.record("sp_rewrite").status == "unavailable"
+    assert report.record("blocked_scans").status == "unavailable"
     assert report.record("canonical_forms").status == "unavailable"
     assert report.record("gated_mean_quant").notes == ("left one unused mul",)
     assert report.num_nodes_after == report.num_nodes_before
@@ -271,14 +279,14 @@ def test_dumps_only_for_passes_that_changed_the_graph(tmp_path) -> None:
         "2_gated_mean_quant.after.py",
         "2_gated_mean_quant.before.py",
         "2_gated_mean_quant.diff",
-        "4_cleanup.after.py",
-        "4_cleanup.before.py",
-        "4_cleanup.diff",
+        "5_cleanup.after.py",
+        "5_cleanup.before.py",
+        "5_cleanup.diff",
     ]
     diff = (tmp_path / "graph_000" / "2_gated_mean_quant.diff").read_text()
     added = [line for line in diff.splitlines() if line.startswith("+") and "torch.ops." in line]
     assert len(added) == 1 and "aten.mul.Tensor" in added[0]
-    cleanup_diff = (tmp_path / "graph_000" / "4_cleanup.diff").read_text()
+    cleanup_diff = (tmp_path / "graph_000" / "5_cleanup.diff").read_text()
     assert any(line.startswith("-") and "aten.mul.Tensor" in line for line in cleanup_diff.splitlines())
     index = (tmp_path / "index.md").read_text()
     assert "graph_000" in index and "[diff](graph_000/2_gated_mean_quant.diff)" in index
@@ -318,6 +326,7 @@ def test_uuid_changes_with_every_flag() -> None:
         {"canonical_forms": False},
         {"sp_rewrite": False},
         {"gated_mean_quant": False},
+        {"blocked_scans": False},
         {"cleanup": False},
         {"sp_min_tokens": 2048},
         {"dump_dir": "d"},

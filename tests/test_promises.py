@@ -149,8 +149,10 @@ def test_rolled_back_graph_compiles_to_what_eager_computes(dynamic: bool) -> Non
 
 # --- 3. Every pass switched off, by flag and by environment --------------------------------------------------
 
-# Every pass applies to this graph: canonical_forms (max(...).values, sum * (1/4)), the fusion, SP at tp 2, and
-# cleanup (an unused node, see Spy).
+# Every pass but one applies to this graph: canonical_forms (max(...).values, sum * (1/4)), the fusion, SP at tp 2,
+# and cleanup (an unused node, see Spy). blocked_scans has no work here: it changes no CPU graph, and this one has no
+# cummax or cummin.
+SPELLING_HAS_NO_WORK_FOR = "blocked_scans"
 SPELLING = BlockSpelling("rsqrt", "fp32_sum_times_reciprocal", "max_values")
 
 
@@ -213,10 +215,15 @@ def test_every_pass_disabled_by_flag_or_env_does_not_run_and_says_why() -> None:
     passes["all off"] = fresh_pipeline
     results = run_pipelines(configs, passes)
     report, before, after_all, _ = results["all on"]
-    assert [r.status for r in report.passes] == ["applied"] * 4, str(report)  # each pass has work here
+    statuses = ["applied", "applied", "applied", "unchanged", "applied"]
+    assert [r.status for r in report.passes] == statuses, str(report)  # each pass but blocked_scans has work here
+    assert report.record(SPELLING_HAS_NO_WORK_FOR).reason == "no cummax or cummin"
     for name in names():
         absent = results[f"{name} absent"][2]
-        assert absent != after_all, name
+        if name == SPELLING_HAS_NO_WORK_FOR:
+            assert absent == after_all, name  # the pass that has no work here changes nothing
+        else:
+            assert absent != after_all, name
         for how, reason in (("flag", f"flag {name}=False"), ("env", f"HCPASSES_DISABLE names {name}")):
             report, _, after, spies = results[f"{name} {how}"]
             record = report.record(name)
@@ -244,6 +251,7 @@ def test_dumps_of_an_applied_an_unchanged_and_a_disabled_pass(tmp_path: Path, mo
         "canonical_forms": "unchanged",
         "gated_mean_quant": "applied",
         "sp_rewrite": "disabled",
+        "blocked_scans": "unchanged",  # no cummax or cummin
         "cleanup": "applied",  # the unused neg
     }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["graph_000", "index.json", "index.md"]
@@ -251,19 +259,20 @@ def test_dumps_of_an_applied_an_unchanged_and_a_disabled_pass(tmp_path: Path, mo
         "2_gated_mean_quant.after.py",
         "2_gated_mean_quant.before.py",
         "2_gated_mean_quant.diff",
-        "4_cleanup.after.py",
-        "4_cleanup.before.py",
-        "4_cleanup.diff",
+        "5_cleanup.after.py",
+        "5_cleanup.before.py",
+        "5_cleanup.diff",
     ]
     rows = (tmp_path / "index.md").read_text().splitlines()[4:]
-    assert [row.split(" | ")[3] for row in rows] == ["unchanged", "applied", "disabled", "applied"]
+    assert [row.split(" | ")[3] for row in rows] == ["unchanged", "applied", "disabled", "unchanged", "applied"]
     assert "HCPASSES_DISABLE names sp_rewrite" in rows[2]
     [entry] = json.loads((tmp_path / "index.json").read_text())
     assert [r["dump"] for r in entry["report"]["passes"]] == [
         None,
         "graph_000/2_gated_mean_quant.diff",
         None,
-        "graph_000/4_cleanup.diff",
+        None,
+        "graph_000/5_cleanup.diff",
     ]
 
 

@@ -49,15 +49,15 @@ def with_extra(monkeypatch) -> PassSpec:
 
 
 def test_the_pipeline_order_is_the_public_one() -> None:
-    assert registry.names() == ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
-    assert [spec.default for spec in registry.PASSES] == [True, True, True, True]
+    assert registry.names() == ("canonical_forms", "gated_mean_quant", "sp_rewrite", "blocked_scans", "cleanup")
+    assert [spec.default for spec in registry.PASSES] == [True, True, True, True, True]
     assert hcpasses.PASSES is registry.PASSES and hcpasses.PassSpec is PassSpec
 
 
 def test_a_pass_added_to_the_registry_is_everywhere(with_extra: PassSpec, capsys) -> None:
-    expected = ("canonical_forms", "gated_mean_quant", "extra", "sp_rewrite", "cleanup")
+    expected = ("canonical_forms", "gated_mean_quant", "extra", "sp_rewrite", "blocked_scans", "cleanup")
     # the config: a flag, in pipeline order, with its default, validated, described
-    assert HCPassesConfig.flag_names()[:5] == expected
+    assert HCPassesConfig.flag_names()[:6] == expected
     config = HCPassesConfig.resolve(env={})
     assert config.pass_names == expected and config.pass_enabled("extra") is False
     assert "gated_mean_quant=True, extra=False, sp_rewrite=True" in config.describe()
@@ -90,7 +90,7 @@ def test_a_pass_added_to_the_registry_is_everywhere(with_extra: PassSpec, capsys
         "True or False",
         "pass 3: an extra pass for the test; reads `sp_min_tokens`",
     )
-    assert "read by `extra`, `sp_rewrite`" in flag_rows()[5][3]
+    assert "read by `extra`, `sp_rewrite`" in flag_rows()[6][3]
     assert main(["flags", "--markdown"]) == 0
     assert "| `extra` | `False` |" in capsys.readouterr().out
     assert main(["passes"]) == 0
@@ -113,7 +113,7 @@ def test_the_flags_table_has_a_row_per_flag_with_its_default() -> None:
     assert [row[1] for row in rows] == [
         f"`{value!r}`" for value in (*dict(defaults.pass_flags).values(), 1024, None, False, True, True)
     ]
-    assert rows[5][3].endswith("; `HCPASSES_DUMP_DIR` overrides it")
+    assert rows[6][3].endswith("; `HCPASSES_DUMP_DIR` overrides it")
     want = "pass 3: shard the HC residual streams by tokens across the TP ranks; reads `sp_min_tokens`, `overlap`"
     assert rows[2][3] == want
     markdown = flags_markdown().splitlines()
@@ -129,12 +129,13 @@ def test_the_cli_prints_the_pipeline_and_the_flags_and_has_no_demo(capsys) -> No
         ["1", "canonical_forms", "on", "-"],
         ["2", "gated_mean_quant", "on", "-"],
         ["3", "sp_rewrite", "on", "sp_min_tokens,"],
-        ["4", "cleanup", "on", "-"],
+        ["4", "blocked_scans", "on", "-"],
+        ["5", "cleanup", "on", "-"],
     ]
     assert out[3].split()[4] == "overlap"
     assert main(["flags"]) == 0
     out = capsys.readouterr().out
-    assert "`" not in out and out.splitlines()[5].split()[:3] == ["sp_min_tokens", "1024", "an"]
+    assert "`" not in out and out.splitlines()[6].split()[:3] == ["sp_min_tokens", "1024", "an"]
     for argv in ([], ["demo"]):
         with pytest.raises(SystemExit) as exit_:
             main(argv)

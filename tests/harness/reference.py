@@ -26,6 +26,7 @@ import torch
 from hcpasses.config import HCPassesConfig
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.manager import PassManager
+from hcpasses.passes.blocked_scans import BlockedScans
 from hcpasses.passes.canonical_forms import CanonicalForms
 from hcpasses.passes.cleanup import DeadCodeCleanup
 from hcpasses.passes.gated_mean_quant import GatedMeanQuantFusion
@@ -64,7 +65,8 @@ class RankGraphs:
         """The same compile's graphs as they were before the SP pass: the TP graph with SP off.
 
         They take the same inputs (a pass never changes placeholders); the graph after the other passes
-        differs from them only by nodes the cleanup pass erases, which compute nothing that is used.
+        differs from them only by nodes the cleanup pass erases, which compute nothing that is used, and, on CUDA,
+        by blocked_scans' blocked scans, which compute the values of the scans they replace.
         """
         return dataclasses.replace(self, graphs=self.before_sp, compiled=[None] * len(self.graphs))
 
@@ -111,7 +113,7 @@ def capture_with_passes(
     reports: list[GraphReport] = []
     snapshot = Snapshot(SPRewrite())
     # Every run of the pipeline is audited: the passes must leave the graph's side effects as they were.
-    passes = (CanonicalForms(), GatedMeanQuantFusion(), snapshot, DeadCodeCleanup())
+    passes = (CanonicalForms(), GatedMeanQuantFusion(), snapshot, BlockedScans(), DeadCodeCleanup())
     manager = AuditedManager(PassManager(config, reports.append, passes=passes), reports)
     captures = None
     if one_trace:

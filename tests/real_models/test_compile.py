@@ -62,12 +62,17 @@ def test_qwen4_exp_breaks_only_in_the_qsa_indexer() -> None:
 # ``test_qwen4_exp_delta_rule_loop_is_not_counted_as_hc_blocks`` makes on 2.13 by mocking the export check).
 DELTA_RULE_LOOP_UNDER_COMPILE = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
 NOT_DISTRIBUTED = "not distributed (tp = 1): nothing to shard"
+# qwen4_exp's n-gram hashing scans the EOS positions with a torch.cummax, once per shift of the token ids (2 at
+# ngram_size 3); blocked_scans leaves CPU graphs alone and names each scan
+ON_CPU = "left as it is: on cpu, where Inductor runs every scan as ATen's kernel"
+CUMMAX_ON_CPU = f"cummax {ON_CPU}; cummax_1 {ON_CPU}"
 QWEN4_EXP_PASSES = (
     {
         # the chunk loop leaves no fp32 -> fp32 convert, and one unused select of its output buffer
         "canonical_forms": ("unchanged", 0, None),
         "gated_mean_quant": ("applied", 2, None),
         "sp_rewrite": ("unchanged", 0, NOT_DISTRIBUTED),
+        "blocked_scans": ("unchanged", 0, CUMMAX_ON_CPU),
         "cleanup": ("applied", 1, None),
     }
     if DELTA_RULE_LOOP_UNDER_COMPILE
@@ -76,6 +81,7 @@ QWEN4_EXP_PASSES = (
         "canonical_forms": ("applied", 1, None),
         "gated_mean_quant": ("applied", 2, None),
         "sp_rewrite": ("unchanged", 0, NOT_DISTRIBUTED),
+        "blocked_scans": ("unchanged", 0, CUMMAX_ON_CPU),
         "cleanup": ("unchanged", 0, "no unused pure nodes"),
     }
 )
@@ -86,6 +92,7 @@ EXPECTED_PASSES: dict[str, dict[str, tuple[str, int, str | None]]] = {
         "canonical_forms": ("applied", 1, None),
         "gated_mean_quant": ("unchanged", 0, None),
         "sp_rewrite": ("unchanged", 0, NOT_DISTRIBUTED),
+        "blocked_scans": ("unchanged", 0, "no cummax or cummin"),
         "cleanup": ("unchanged", 0, "no unused pure nodes"),
     },
 }

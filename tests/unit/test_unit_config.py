@@ -16,7 +16,7 @@ from hcpasses.config import BOOL, PATH_OR_NONE, POSITIVE_INT, HCPassesConfig, ch
 from hcpasses.graph_pass import GraphPass, PassResult
 from hcpasses.passes import PassSpec
 
-PASS_NAMES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
+PASS_NAMES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "blocked_scans", "cleanup")
 FLAGS = (*PASS_NAMES, "sp_min_tokens", "dump_dir", "cudagraphs", "lazy_variants", "overlap")
 
 
@@ -28,7 +28,7 @@ class Extra(GraphPass):
 
 
 def with_extra(monkeypatch, *, default: bool = False, reads: tuple[str, ...] = (), name: str | None = None) -> None:
-    """The registry with one more pass, between sp_rewrite and cleanup (named ``name`` when given)."""
+    """The registry with one more pass, between sp_rewrite and blocked_scans (named ``name`` when given)."""
     extra = type("Extra", (Extra,), {"name": name or "extra"})
     specs = list(registry.PASSES)
     specs.insert(3, PassSpec(extra, default, "an extra pass", reads))
@@ -37,7 +37,7 @@ def with_extra(monkeypatch, *, default: bool = False, reads: tuple[str, ...] = (
 
 def test_the_flags_are_the_passes_then_the_options() -> None:
     assert HCPassesConfig.flag_names() == FLAGS
-    assert [field.name for field in HCPassesConfig.options()] == list(FLAGS[4:])
+    assert [field.name for field in HCPassesConfig.options()] == list(FLAGS[len(PASS_NAMES) :])
     with pytest.raises(ValueError, match="unknown hcpasses flag"):
         HCPassesConfig.resolve(env={}, disabled_by_env=("cleanup",))  # bookkeeping, not a flag
     with pytest.raises(ValueError, match="unknown hcpasses flag"):
@@ -68,7 +68,7 @@ def test_sp_min_tokens_of_one_is_valid() -> None:
 def test_env_bookkeeping_and_the_reason_a_pass_is_off() -> None:
     config = HCPassesConfig.resolve(env={"HCPASSES_DISABLE": " cleanup ,, sp_rewrite,"}, gated_mean_quant=False)
     assert config.disabled_by_env == ("sp_rewrite", "cleanup")  # in pipeline order
-    assert [config.pass_enabled(name) for name in PASS_NAMES] == [True, False, False, False]
+    assert [config.pass_enabled(name) for name in PASS_NAMES] == [True, False, False, True, False]
     assert config.why_disabled("cleanup") == "HCPASSES_DISABLE names cleanup"
     assert config.why_disabled("gated_mean_quant") == "flag gated_mean_quant=False"
     assert HCPassesConfig.resolve(env={"HCPASSES_DISABLE": ""}) == HCPassesConfig()
@@ -78,8 +78,8 @@ def test_env_bookkeeping_and_the_reason_a_pass_is_off() -> None:
 def test_describe_lists_every_field_and_the_log_line_is_exact(caplog) -> None:
     config = HCPassesConfig(sp_min_tokens=8, dump_dir="d")
     assert config.describe() == (
-        "canonical_forms=True, gated_mean_quant=True, sp_rewrite=True, cleanup=True, sp_min_tokens=8, "
-        "dump_dir='d', cudagraphs=False, lazy_variants=True, overlap=True, disabled_by_env=()"
+        "canonical_forms=True, gated_mean_quant=True, sp_rewrite=True, blocked_scans=True, cleanup=True, "
+        "sp_min_tokens=8, dump_dir='d', cudagraphs=False, lazy_variants=True, overlap=True, disabled_by_env=()"
     )
     with caplog.at_level(logging.INFO, logger="hcpasses"):
         HCPassesConfig.resolve(env={}, sp_min_tokens=8, dump_dir="d")
@@ -92,6 +92,7 @@ def test_the_pass_flags_follow_the_registry_in_order() -> None:
         ("canonical_forms", True),
         ("gated_mean_quant", True),
         ("sp_rewrite", True),
+        ("blocked_scans", True),
         ("cleanup", False),
     )
     assert config.pass_names == PASS_NAMES == registry.names()
@@ -101,7 +102,7 @@ def test_the_pass_flags_follow_the_registry_in_order() -> None:
 def test_with_passes_sets_only_the_named_flags_and_refuses_unknown_passes() -> None:
     config = HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "cleanup"}, sp_min_tokens=5)
     off = config.with_passes(sp_rewrite=False)
-    assert [off.pass_enabled(name) for name in PASS_NAMES] == [True, True, False, False]
+    assert [off.pass_enabled(name) for name in PASS_NAMES] == [True, True, False, True, False]
     assert off == dataclasses.replace(config, pass_flags=off.pass_flags)  # the options and the env reasons kept
     assert off.with_passes(sp_rewrite=True) == config and config.with_passes() == config
     with pytest.raises(ValueError) as err:
@@ -154,17 +155,24 @@ def test_every_option_has_help_values_and_its_env_variable() -> None:
 
 def test_a_pass_added_to_the_registry_is_a_flag_with_its_default(monkeypatch) -> None:
     with_extra(monkeypatch)
-    assert HCPassesConfig.flag_names() == (*PASS_NAMES[:3], "extra", "cleanup", *FLAGS[4:])
+    assert HCPassesConfig.flag_names() == (
+        *PASS_NAMES[:3],
+        "extra",
+        "blocked_scans",
+        "cleanup",
+        *FLAGS[len(PASS_NAMES) :],
+    )
     config = HCPassesConfig.resolve(env={})
-    assert config.pass_names == (*PASS_NAMES[:3], "extra", "cleanup") and config.pass_enabled("extra") is False
-    assert "sp_rewrite=True, extra=False, cleanup=True" in config.describe()
+    assert config.pass_names == (*PASS_NAMES[:3], "extra", "blocked_scans", "cleanup")
+    assert config.pass_enabled("extra") is False
+    assert "sp_rewrite=True, extra=False, blocked_scans=True, cleanup=True" in config.describe()
     assert HCPassesConfig.resolve(env={}, extra=True).pass_enabled("extra") is True
     with pytest.raises(ValueError, match="'extra' must be True or False, got 'yes'"):
         HCPassesConfig.resolve(env={}, extra="yes")
     by_env = HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "extra"}, extra=True)
     assert by_env.why_disabled("extra") == "HCPASSES_DISABLE names extra" and not by_env.pass_enabled("extra")
     with pytest.raises(
-        ValueError, match="valid passes are: canonical_forms, gated_mean_quant, sp_rewrite, extra, clean"
+        ValueError, match="valid passes are: canonical_forms, gated_mean_quant, sp_rewrite, extra, blocked_scans, clean"
     ):
         HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "fusion"})
 
@@ -174,8 +182,8 @@ def test_a_pass_removed_from_the_registry_is_no_flag(monkeypatch) -> None:
     with pytest.raises(ValueError) as err:
         HCPassesConfig.resolve(env={}, sp_rewrite=False)
     assert str(err.value) == (
-        "unknown hcpasses flag(s) sp_rewrite; valid flags are: canonical_forms, gated_mean_quant, cleanup, "
-        "sp_min_tokens, dump_dir, cudagraphs, lazy_variants, overlap"
+        "unknown hcpasses flag(s) sp_rewrite; valid flags are: canonical_forms, gated_mean_quant, blocked_scans, "
+        "cleanup, sp_min_tokens, dump_dir, cudagraphs, lazy_variants, overlap"
     )
     with pytest.raises(ValueError, match="HCPASSES_DISABLE names unknown pass"):
         HCPassesConfig.resolve(env={"HCPASSES_DISABLE": "sp_rewrite"})
@@ -215,4 +223,4 @@ def test_every_clash_is_named(monkeypatch) -> None:
 
 def test_the_registry_passes_its_own_check() -> None:
     check_registry()  # raises otherwise
-    assert [spec.reads for spec in registry.PASSES] == [(), (), ("sp_min_tokens", "overlap"), ()]
+    assert [spec.reads for spec in registry.PASSES] == [(), (), ("sp_min_tokens", "overlap"), (), ()]

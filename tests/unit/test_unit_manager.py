@@ -27,7 +27,7 @@ from hcpasses.passes.cleanup import DeadCodeCleanup
 from hcpasses.report import GraphReport
 
 aten = torch.ops.aten
-PASS_NAMES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "cleanup")
+PASS_NAMES = ("canonical_forms", "gated_mean_quant", "sp_rewrite", "blocked_scans", "cleanup")
 
 
 def model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -79,9 +79,10 @@ def test_records_every_pass_in_pipeline_order_with_status_count_reason_notes_fac
     passes = [Spy("cleanup"), Spy("gated_mean_quant", add_unused_neg, applied=1, reason=None)]
     report, graph = run(passes)
     assert [r.name for r in report.passes] == list(PASS_NAMES)
-    canonical, fusion, sp, cleanup = report.passes
+    canonical, fusion, sp, scans, cleanup = report.passes
     assert (canonical.status, canonical.reason) == ("unavailable", "no pass of this name is registered in this version")
     assert (sp.status, sp.applied) == ("unavailable", 0)
+    assert (scans.status, scans.applied) == ("unavailable", 0)
     assert (fusion.status, fusion.applied, fusion.reason) == ("applied", 1, None)
     assert fusion.notes == ("a note",) and fusion.facts == {"fact": 1} and fusion.seconds > 0
     assert (cleanup.status, cleanup.applied, cleanup.reason) == ("unchanged", 0, "nothing here")
@@ -98,7 +99,7 @@ def test_passes_run_in_order_each_on_the_graph_the_one_before_left() -> None:
     ]
     report, _ = run(passes)
     assert [name for name, _ in seen] == list(PASS_NAMES)
-    assert [count for _, count in seen] == [seen[0][1] + i for i in range(4)]
+    assert [count for _, count in seen] == [seen[0][1] + i for i in range(5)]
     assert report.applied == dict.fromkeys(PASS_NAMES, 1)
 
 
@@ -113,7 +114,7 @@ def test_a_disabled_pass_does_not_run_and_says_why(name: str, how: str) -> None:
     assert record.status == "disabled" and record.applied == 0 and record.seconds == 0
     assert record.reason == (f"flag {name}=False" if how == "flag" else f"HCPASSES_DISABLE names {name}")
     assert [s.calls for s in spies] == [int(s.name != name) for s in spies]
-    assert len(graph.nodes) == report.num_nodes_before + 3
+    assert len(graph.nodes) == report.num_nodes_before + 4
 
 
 def test_every_pass_disabled_leaves_the_graph_as_it_was() -> None:
@@ -130,6 +131,7 @@ def test_autograd_graphs_run_no_pass_and_say_why() -> None:
     report, _ = run(spies, autograd=True, cleanup=False)
     assert report.variant == "autograd"
     assert [(r.status, r.reason) for r in report.passes] == [
+        ("skipped", AUTOGRAD_REASON),
         ("skipped", AUTOGRAD_REASON),
         ("skipped", AUTOGRAD_REASON),
         ("skipped", AUTOGRAD_REASON),
@@ -212,7 +214,7 @@ def test_the_real_pipeline_has_one_pass_per_flag() -> None:
     assert [type(p) for p in pipeline()] == [spec.graph_pass for spec in registry.PASSES]
     assert all(a is b for a, b in zip(pipeline(), pipeline(), strict=True))  # one object per pass in a process
     report, _ = run(pipeline())
-    assert [r.status for r in report.passes] == ["unchanged"] * 4
+    assert [r.status for r in report.passes] == ["unchanged"] * 5
 
 
 def test_by_default_the_manager_runs_the_registrys_passes() -> None:
@@ -220,7 +222,7 @@ def test_by_default_the_manager_runs_the_registrys_passes() -> None:
     assert list(manager.passes) == list(PASS_NAMES)
     assert all(a is b for a, b in zip(manager.passes.values(), pipeline(), strict=True))
     report, _ = run(None)
-    assert [r.status for r in report.passes] == ["unchanged"] * 4
+    assert [r.status for r in report.passes] == ["unchanged"] * 5
 
 
 class Extra(GraphPass):
@@ -241,6 +243,7 @@ def test_a_pass_added_to_the_registry_runs_in_its_place(monkeypatch) -> None:
         ("extra", "applied"),
         ("gated_mean_quant", "unchanged"),
         ("sp_rewrite", "unchanged"),
+        ("blocked_scans", "unchanged"),
         ("cleanup", "disabled"),
     ]
     assert any(n.target is aten.neg.default for n in graph.nodes)
@@ -268,7 +271,7 @@ def test_dumps_only_for_passes_that_changed_the_graph(tmp_path: Path) -> None:
         "2_gated_mean_quant.diff",
     ]
     assert report.record("gated_mean_quant").dump == "graph_000/2_gated_mean_quant.diff"
-    assert [r.dump for r in report.passes if r.name != "gated_mean_quant"] == [None, None, None]
+    assert [r.dump for r in report.passes if r.name != "gated_mean_quant"] == [None, None, None, None]
     before = (folder / "2_gated_mean_quant.before.py").read_text()
     after = (folder / "2_gated_mean_quant.after.py").read_text()
     assert "aten.neg" not in before and "aten.neg" in after and "aten.relu" in before
@@ -292,7 +295,7 @@ def test_uuid_is_stable_and_changes_with_flags_mode_passes_and_rank() -> None:
     assert base == uuid() == uuid(passes=pipeline()) and len(base) == 64
     variants = [uuid(**{name: False}) for name in PASS_NAMES]
     variants += [uuid(sp_min_tokens=2048), uuid(dump_dir="d"), uuid(cudagraphs=True), uuid(autograd=True)]
-    variants += [uuid(passes=pipeline()[:3]), uuid(passes=(*pipeline()[:3], Spy("cleanup")))]
+    variants += [uuid(passes=pipeline()[:4]), uuid(passes=(*pipeline()[:4], Spy("cleanup")))]
     variants += [uuid(env={"HCPASSES_DISABLE": "cleanup"})]
     assert len({base, *variants}) == len(variants) + 1
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
