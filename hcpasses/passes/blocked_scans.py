@@ -112,7 +112,7 @@ def blocked_length(scan: fx.Node) -> int | Skipped:
 
 def inductor_splits(device: torch.device, length: int, rows: int) -> bool:
     """Whether Inductor splits a scan of ``rows`` rows of ``length`` elements (and so falls back to ATen for a scan
-    with two results): its own heuristic. Internal to Inductor, pinned on the GPU by ``tests/gpu``."""
+    with two results): its own heuristic. Internal to Inductor: pinned on the GPU by ``tests/test_blocked_scans.py``."""
     from torch._inductor.choices import InductorChoices
 
     return InductorChoices.reduction_split_factor(device, length, rows, inner_reduction=True) > 1
