@@ -6,14 +6,16 @@
 #     bash benchmarks/gpu_session.sh tests      # GPU test files, then the fla test alone (about 220 s)
 #     bash benchmarks/gpu_session.sh prefill    # deepseek_v4 tp 8 (the SP prologue), qwen4_exp FP8 tp 4 (host time)
 #     bash benchmarks/gpu_session.sh scans      # blocked_scans: the scan alone, then qwen4_exp bf16 tp 8 per kernel
+#     bash benchmarks/gpu_session.sh generate   # generate() at real size: deepseek_v4 tp 8 (simulated), then tp 1
 #
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
 set -uo pipefail
 out=${OUT:?set OUT to the folder the results go to}
-if [ "${1:-}" != tests ] && [ "${1:-}" != prefill ] && [ "${1:-}" != scans ]; then
-    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans" >&2
+case "${1:-}" in tests | prefill | scans | generate) ;; *)
+    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans|generate" >&2
     exit 2
-fi
+    ;;
+esac
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
 [ -d /tmp/site ] || $install --target /tmp/site .whl/transformers*.whl
 [ -d /tmp/site_fla ] || $install --target /tmp/site_fla .whl/fla_core*.whl .whl/flash_linear*.whl .whl/einops*.whl
@@ -46,5 +48,11 @@ scans)
     PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 300 $bench --models qwen4_exp --layers 3 --dtypes bf16 \
         --tp 8 --variants handwritten_sp,hcpasses_sp --tag q3_bf16_tp8_scans_h200 2>&1 | tee "$out/q.log" \
         | grep -E "^(qwen|case)"
+    ;;
+generate)
+    for tp in 8 1; do
+        PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 280 python3 benchmarks/generate_hf.py --tp $tp \
+            --new-tokens 4 --out "$out/generate_hf_tp${tp}_h200.json" 2>&1 | tee "$out/generate_tp$tp.log" | tail -2
+    done
     ;;
 esac
