@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the plumbing only")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cases", default=None, help="BATCHxLENGTH,... (default: the four GPU cases)")
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -102,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "cases": [],
     }
-    for batch, length in SMOKE_CASES if args.cpu_smoke else GPU_CASES:
+    chosen = SMOKE_CASES if args.cpu_smoke else GPU_CASES
+    if args.cases:
+        chosen = tuple(tuple(int(n) for n in case.split("x")) for case in args.cases.split(","))
+    for batch, length in chosen:
         result["cases"].append(run_case(batch, length, device, args.warmup, args.repeats))
         args.out.write_text(json.dumps(result, indent=1))  # kept so far, should a time-limited call end it
         case = result["cases"][-1]
