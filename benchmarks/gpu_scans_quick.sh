@@ -1,3 +1,5 @@
+# The blocked_scans pass on the GPU in one short device call: its GPU tests, then the scan alone at two lengths.
+# Run from the repository root on the device machine, results under $OUT (no wheels needed).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
