@@ -292,3 +292,19 @@ def test_the_benchmark_runs_on_cpu_and_records_each_variant(tmp_path: Path) -> N
         for variant in ("inductor", "off", "blocked"):
             assert case[variant]["kernel_ms"] > 0 and case[variant]["kernels"] >= 1
         assert case["off_over_blocked"] == round(case["off"]["kernel_ms"] / case["blocked"]["kernel_ms"], 3)
+
+
+def test_the_manager_verifies_a_blocked_cuda_graph_and_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the pass manager (fake values re-propagated on the new nodes, the graph verified): the rewrite stands
+    (``applied``, not rolled back), and the scan's user keeps its value's shape and dtype."""
+    from hcpasses.manager import PassManager
+
+    monkeypatch.setattr(blocked_scans, "inductor_splits", lambda *args: True)
+    graph = fake_cuda_graph(values_of("max", 1), ((2, 9000), torch.bfloat16))
+    reports = []
+    PassManager(HCPassesConfig.resolve(env={}), reports.append, passes=[BlockedScans()])(graph)
+    record = reports[0].record("blocked_scans")
+    assert (record.status, record.applied) == ("applied", 1), reports[0]
+    (mul,) = [node for node in graph.nodes if node.target is aten.mul.Tensor]
+    assert mul.meta["val"].shape == (2, 9000) and mul.meta["val"].dtype == torch.bfloat16
+    assert len(scans_in(graph)) == 2
