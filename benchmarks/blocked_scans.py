@@ -7,10 +7,11 @@ The scan is qwen4_exp's n-gram hashing's (``_shift_right_ignore_eos``): ``cummax
 dim=1).values`` over the token history of ``[batch, length]`` int64 ids, then one pointwise user. Variants, each
 compiled with ``fullgraph=True`` and static shapes: ``inductor`` (plain Inductor), ``off`` (``hcpasses.backend(
 blocked_scans=False)``), ``blocked`` (``hcpasses.backend()``). Every variant's values must equal eager's bit for bit
-(the run stops otherwise). Per case and variant: ``kernel_ms`` (device time of all kernels per call, from
-``torch.profiler`` over ``--repeats`` calls), the kernels per call and their names, and whether the pass applied
-(from the hcpasses report). ``--cpu-smoke`` runs the same on CPU at tiny sizes, where the pass does not apply
-(Inductor scans with ATen on CPU) and kernel times are CPU op times: it checks the plumbing only.
+(the run stops otherwise). Per case and variant: ``kernel_ms`` (device time of all kernels per call over
+``--repeats`` calls, measured as ``prefill_hf.profiled`` measures it), the kernels per call and the names with the
+most time, and whether the pass applied (from the hcpasses report). ``--cpu-smoke`` runs the same on CPU at tiny
+sizes, where the pass does not apply (Inductor scans with ATen on CPU) and kernel times are CPU ops' self times: it
+checks the plumbing only.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ import argparse
 import json
 import platform
 import sys
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from prefill_hf import profiled
 
 import hcpasses
 
@@ -49,27 +48,15 @@ def compiled(variant: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]
     return torch.compile(eos_scan, backend=be, fullgraph=True, dynamic=False), be
 
 
-def kernel_times(fn: Callable[[], Any], device: str, repeats: int) -> tuple[float, float, dict[str, float]]:
-    """Device ms of all kernels per call, kernels per call, ms per kernel name per call (CPU ops on CPU)."""
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        for _ in range(repeats):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    if device == "cuda":  # kernels on the GPU timeline, timed as prefill_hf.py times them
-        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        ms = [(e.name, e.time_range.elapsed_us() / 1000) for e in events]
-    else:  # top-level CPU ops only: their times include their children
-        ms = [(e.name, e.cpu_time_total / 1000) for e in prof.events() if e.cpu_parent is None]
-    by_name: Counter[str] = Counter()
-    for name, t in ms:
-        by_name[name[:90]] += t / repeats
-    return sum(t for _, t in ms) / repeats, len(ms) / repeats, dict(by_name.most_common(6))
+def kernel_times(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, float, dict[str, float]]:
+    """Kernel ms per call, kernels per call and the names with the most ms (GPU only): ``prefill_hf.profiled``."""
+    kernels = profiled(fn, repeats, device)
+    by_name = dict(list(kernels.get("kernel_ms_by_name", {}).items())[:6])
+    return kernels["kernel_ms"], kernels["kernels"], by_name
 
 
-def run_case(batch: int, length: int, device: str, warmup: int, repeats: int) -> dict[str, Any]:
-    ids = torch.randint(0, 50, (batch, length), device=device, generator=None)
+def run_case(batch: int, length: int, device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
+    ids = torch.randint(0, 50, (batch, length), device=device)
     want = eos_scan(ids)
     row: dict[str, Any] = {"batch": batch, "length": length}
     for variant in ("inductor", "off", "blocked"):
@@ -94,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cases", default=None, help="BATCHxLENGTH,... (default: the four GPU cases)")
     args = parser.parse_args(argv)
-    device = "cpu" if args.cpu_smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("needs CUDA (or --cpu-smoke)")
     torch.manual_seed(0)
     result: dict[str, Any] = {
         "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "cases": [],
     }
     chosen = SMOKE_CASES if args.cpu_smoke else GPU_CASES

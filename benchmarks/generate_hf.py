@@ -34,11 +34,12 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from prefill_hf import guarded, sync
 from simulated_tp import simulated_tp
 
 import hcpasses
@@ -55,11 +56,6 @@ def build(smoke: bool, layers: int, device: torch.device) -> torch.nn.Module:
         cut = {key: tiny[key][:layers] for key in ("layer_types", "mlp_layer_types")}
         return hf_models.tiny_deepseek_v4(num_hidden_layers=layers, **cut).eval()
     return hf_models.real_deepseek_v4(num_layers=layers, dtype=torch.bfloat16, device=device).eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -212,19 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     with eager_kernels_under_compile():
         for tp in tps:
-            result["cases"].append(guarded(lambda tp=tp: run_case(tp, args, device), tp))
+            result["cases"].append({"tp": tp, **guarded(lambda tp=tp: run_case(tp, args, device))})
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1, default=str))  # kept should a time limit end the run
             print(summary(result["cases"][-1]) if "error" not in result["cases"][-1] else result["cases"][-1])
     return 0
-
-
-def guarded(fn: Callable[[], dict[str, Any]], tp: int) -> dict[str, Any]:
-    """``fn()``, or its error: one failing case must not end a time-limited GPU run."""
-    try:
-        return fn()
-    except Exception as error:  # recorded in the JSON
-        return {"tp": tp, "error": f"{type(error).__name__}: {error}"[:2000]}
 
 
 if __name__ == "__main__":
