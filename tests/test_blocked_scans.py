@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.fx as fx
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 import hcpasses
 from hcpasses.config import HCPassesConfig
 from hcpasses.passes import blocked_scans
-from hcpasses.passes.blocked_scans import SCAN_BLOCK, BlockedScans, block_scan
+from hcpasses.passes.blocked_scans import SCAN_BLOCK, BlockedScans, block_scan, inductor_splits
 
 ROOT = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten
@@ -64,8 +64,13 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+# The quick profile draws two examples: these pin what each must cover (cummin of floats and ints, a scan along a
+# middle dim of 3, dim -1 of a 1-d tensor), whatever it draws.
+@example(rank_dim=(3, 1), length=700, block=64, dtype=torch.float32, kind="min", seed=1)
+@example(rank_dim=(2, 0), length=37, block=3, dtype=torch.int32, kind="max", seed=2)
+@example(rank_dim=(1, -1), length=50, block=16, dtype=torch.int16, kind="min", seed=3)
 @given(
-    rank_dim=st.sampled_from([(1, 0), (2, 1), (2, 0), (3, 1), (3, 2), (3, -1)]),
+    rank_dim=st.sampled_from([(1, 0), (1, -1), (2, 1), (2, 0), (3, 1), (3, 2), (3, -1)]),
     length=st.integers(1, 700),
     block=st.sampled_from([1, 3, 16, 64]),
     dtype=st.sampled_from(DTYPES),
@@ -98,6 +103,16 @@ def test_a_scan_of_exactly_whole_blocks_and_a_single_block_match() -> None:
         assert_same(gm(x), values_of("max", 1)(x))
 
 
+def test_a_scan_whose_dim_is_a_keyword_is_blocked_along_that_dim() -> None:
+    x = sample((3, 200), torch.float32, 4)
+    gm = make_fx(values_of("max", 1))(x)
+    (scan,) = scans_in(gm.graph)
+    scan.args, scan.kwargs = scan.args[:1], {"dim": scan.args[1]}  # cummax(x, dim=1), as a hand-built graph has it
+    block_scan(gm.graph, scan, 16)
+    gm.recompile()
+    assert_same(gm(x), values_of("max", 1)(x))
+
+
 def fake_cuda_graph(fn: Callable[..., torch.Tensor], *shapes_dtypes: tuple[tuple[int, ...], torch.dtype]) -> fx.Graph:
     """``fn`` traced on fake CUDA tensors (no GPU needed), as the pass sees a CUDA graph."""
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -111,13 +126,40 @@ def run_pass(graph: fx.Graph) -> hcpasses.graph_pass.PassResult:
 
 def test_a_long_cuda_scan_inductor_would_split_is_blocked_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     asked = []
-    monkeypatch.setattr(blocked_scans, "inductor_splits", lambda device, n, rows: asked.append((n, rows)) or True)
+    monkeypatch.setattr(blocked_scans, "inductor_splits", lambda *args: asked.append(args) or True)
     graph = fake_cuda_graph(values_of("max", 1), ((1, 16387), torch.int64))
     result = run_pass(graph)
     assert result.applied == 1 and result.reason is None, result
-    assert asked == [(16387, 1)]
+    assert asked == [(torch.device("cuda", 0), 16387, 1)]
     assert len(scans_in(graph)) == 2
     assert result.notes == (f"cummax: 16387 elements scanned in blocks of {SCAN_BLOCK} -> {_values_name(graph)}",)
+
+
+@pytest.mark.parametrize("length", [20000, SCAN_BLOCK * SCAN_BLOCK])  # the most blocks the pass takes
+def test_a_long_scan_of_a_1d_tensor_is_blocked(length: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = []
+    monkeypatch.setattr(blocked_scans, "inductor_splits", lambda *args: asked.append(args[1:]) or True)
+    graph = fake_cuda_graph(values_of("min", 0), ((length,), torch.float32))
+    assert run_pass(graph).applied == 1
+    assert asked == [(length, 1)]  # one row: no other dims
+
+
+def test_inductor_splits_asks_inductors_own_heuristic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate is Inductor's split heuristic, asked for the scan's device, length and rows (an internal API: here its
+    signature on the CPU, its answers on CUDA in the GPU tests below)."""
+    from torch._inductor.choices import InductorChoices
+
+    assert inductor_splits(torch.device("cpu"), 1 << 20, 1) and not inductor_splits(torch.device("cpu"), 64, 1)
+    asked = []
+
+    def factor(device: torch.device, length: int, rows: int, inner_reduction: bool) -> int:
+        asked.append((device, length, rows, inner_reduction))
+        return 2 if length > 5000 else 1
+
+    monkeypatch.setattr(InductorChoices, "reduction_split_factor", staticmethod(factor))
+    device = torch.device("cuda", 1)
+    assert inductor_splits(device, 9000, 3) and not inductor_splits(device, 100, 7)
+    assert asked == [(device, 9000, 3, True), (device, 100, 7, True)]
 
 
 def _values_name(graph: fx.Graph) -> str:
@@ -159,6 +201,7 @@ def graph_code(graph: fx.Graph) -> str:
         ("indices", "its indices are read (the blocks compute values only)"),
         ("bool", "dtype torch.bool has no lowest value to start a block from"),
         ("too_long", f"{SCAN_BLOCK * SCAN_BLOCK + 1} elements make more than {SCAN_BLOCK} blocks"),
+        ("0-d", "a 0-d tensor has nothing to scan"),
     ],
 )
 def test_a_scan_the_pass_does_not_block_is_left_as_it_is_and_the_report_says_why(
@@ -171,6 +214,8 @@ def test_a_scan_the_pass_does_not_block_is_left_as_it_is_and_the_report_says_why
         graph = fake_cuda_graph(lambda x: torch.cummax(x, 1).indices + 1, ((1, 20000), torch.float32))
     elif case == "bool":
         graph = fake_cuda_graph(lambda x: torch.cummax(x, 1).values.logical_not(), ((1, 20000), torch.bool))
+    elif case == "0-d":
+        graph = fake_cuda_graph(values_of("max", 0), ((), torch.float32))
     else:
         length = 4000 if case == "unsplit" else SCAN_BLOCK * SCAN_BLOCK + 1
         graph = fake_cuda_graph(values_of("max", 1), ((1, length), torch.int32))
@@ -189,19 +234,23 @@ def test_a_graph_without_scans_is_left_alone_and_says_so() -> None:
 
 
 def test_each_scan_of_a_graph_is_judged_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One scan whose indices are read does not stop another from being blocked; the report names both."""
-    monkeypatch.setattr(blocked_scans, "inductor_splits", lambda *args: True)
+    """A scan left alone (indices read, or too short) does not stop a later one from being blocked; the report names
+    each, the reasons joined by "; "."""
+    monkeypatch.setattr(blocked_scans, "inductor_splits", lambda device, n, rows: n > 5000)
 
-    def two_scans(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.cummin(x, 1).values, torch.cummax(y, 1).indices
+    def three_scans(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.cummax(y, 1).indices, torch.cummax(z, 1).values, torch.cummin(x, 1).values
 
-    graph = fake_cuda_graph(two_scans, ((2, 9000), torch.float32), ((2, 9000), torch.float32))
+    shapes = ((2, 9000), torch.float32), ((2, 9000), torch.float32), ((2, 100), torch.float32)
+    graph = fake_cuda_graph(three_scans, *shapes)
     result = run_pass(graph)
+    indices_read = "cummax left as it is: its indices are read (the blocks compute values only)"
+    unsplit = "cummax_1 left as it is: Inductor scans 2 row(s) of 100 elements unsplit, in Triton"
     assert result.applied == 1
-    assert result.reason == "cummax left as it is: its indices are read (the blocks compute values only)"
-    assert len(result.notes) == 2 and result.notes[0].startswith("cummin: 9000 elements scanned in blocks")
+    assert result.reason == f"{indices_read}; {unsplit}"
+    assert len(result.notes) == 3 and result.notes[0].startswith("cummin: 9000 elements scanned in blocks")
     remaining = scans_in(graph)
-    assert aten.cummax.default in {node.target for node in remaining}  # the one with its indices, untouched
+    assert sum(node.target is aten.cummax.default for node in remaining) == 2  # the ones left alone, untouched
     assert sum(node.target is aten.cummin.default for node in remaining) == 2
 
 

@@ -5,6 +5,7 @@
     python tests/mutants/mutmut_score.py --sample        # the fixed sample CI runs (numbered *0 and *5: 209)
     python tests/mutants/mutmut_score.py --floor 90      # fail below this score (percent)
     python tests/mutants/mutmut_score.py --scope passes  # canonical_forms.py and the SP region analysis (slower tests)
+    python tests/mutants/mutmut_score.py --scope scans   # blocked_scans.py, judged by tests/test_blocked_scans.py
 
 Runs ``mutmut run`` from the repository root (mutmut writes its copy to ``mutants/``, ignored by git), reads each
 mutant's status back with ``mutmut results --all true``, and prints the score per module and the survivors, each
@@ -35,6 +36,14 @@ SCOPES: dict[str, dict[str, list[str]]] = {
         "only_mutate": ["hcpasses/passes/canonical_forms.py", "hcpasses/passes/sp_rewrite/region.py"],
         "pytest_add_cli_args_test_selection": ["tests/test_canonical.py", "tests/test_sp_parts.py"],
     },
+    "scans": {
+        "only_mutate": ["hcpasses/passes/blocked_scans.py"],
+        # mutmut's copy holds hcpasses/ and tests/ only: the benchmark's smoke test has no script to run there
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_blocked_scans.py",
+            "--deselect=tests/test_blocked_scans.py::test_the_benchmark_runs_on_cpu_and_records_each_variant",
+        ],
+    },
 }
 SAMPLE = ("*__mutmut_*0", "*__mutmut_*5")  # a sixth of the mutants, the same ones every run
 DETECTED = {"killed", "timeout"}
@@ -61,10 +70,25 @@ NO_GROUP = "another constant for 'no process group': still the same key in every
 REPLACE = "dataclasses.replace with no overrides returns an equal config"
 JSON_LAYOUT = "the indentation of index.json: readers parse the JSON"
 NO_DUMP_TEXT = "the text before the pass is read only when a dump is written"
+IDENTITY_PERMUTE = "where the scanned dim is already last, the order is the identity: the permute changes nothing"
+SLICE_FROM_NONE = "a slice from None starts at 0"
+SAME_FLOAT = "float() parses the spelling case-insensitively: the same infinity"
+OVERWRITTEN = "every entry of the list is assigned in the loop after it"
+CEIL_BOUND = "for an integer bound b, ceil(x) > b exactly when x > b"
 
 # Survivors no test can kill, one line each (mutmut's name: why). Names carry a number per function: an edit of
 # the function renumbers them, so a stale line only loses its note (the floor, not this list, gates CI).
 EQUIVALENT: dict[str, str] = {
+    "hcpasses.passes.blocked_scans.x__inverse__mutmut_3": OVERWRITTEN,
+    "hcpasses.passes.blocked_scans.x__lowest__mutmut_5": SAME_FLOAT,
+    "hcpasses.passes.blocked_scans.x__lowest__mutmut_11": SAME_FLOAT,
+    "hcpasses.passes.blocked_scans.x_block_scan__mutmut_107": SLICE_FROM_NONE,
+    "hcpasses.passes.blocked_scans.x_block_scan__mutmut_183": SLICE_FROM_NONE,
+    "hcpasses.passes.blocked_scans.x_block_scan__mutmut_194": IDENTITY_PERMUTE,
+    "hcpasses.passes.blocked_scans.x_block_scan__mutmut_197": IDENTITY_PERMUTE,
+    "hcpasses.passes.blocked_scans.x_block_scan__mutmut_30": IDENTITY_PERMUTE,
+    "hcpasses.passes.blocked_scans.x_block_scan__mutmut_33": IDENTITY_PERMUTE,
+    "hcpasses.passes.blocked_scans.x_blocked_length__mutmut_71": CEIL_BOUND,
     "hcpasses.backend.xǁHCPassesBackendǁ_reload_reports__mutmut_10": RENUMBERED,
     "hcpasses.backend.xǁHCPassesBackendǁ_reload_reports__mutmut_11": RENUMBERED,
     "hcpasses.backend.xǁHCPassesBackendǁ_reload_reports__mutmut_9": RENUMBERED,
