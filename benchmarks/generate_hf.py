@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -154,11 +155,10 @@ def run_case(tp: int, args: argparse.Namespace, device: torch.device) -> dict[st
             case["eager"] = run_generate(model, prompt, args, None)
         for name, flags in (("hcpasses", {}), ("hcpasses_cudagraphs", {"cudagraphs": device.type == "cuda"})):
             backend = hcpasses.backend(sp_min_tokens=max(2, args.prompt // 2), **flags)
-            row = run_generate(model, prompt, args, backend)
-            if tp == 1:
-                row["tokens_equal"] = row["tokens"] == case["eager"]["tokens"]
-            else:
-                row |= sp_verdict(row)
+            # per variant: a failure of one (a CUDA-graph error) keeps the other's row
+            row = guarded(functools.partial(run_generate, model, prompt, args, backend))
+            if "error" not in row:
+                row |= {"tokens_equal": row["tokens"] == case["eager"]["tokens"]} if tp == 1 else sp_verdict(row)
             case[name] = row
         del model
         torch._dynamo.reset()
@@ -172,6 +172,9 @@ def summary(case: dict[str, Any]) -> str:
     for name in ("eager", "hcpasses", "hcpasses_cudagraphs"):
         row = case.get(name)
         if row is None:
+            continue
+        if "error" in row:
+            parts.append(f"{name}: {row['error'][:300]}")
             continue
         checks = {k: row[k] for k in ("tokens_equal", "prefill_sharded", "decode_unsharded") if k in row}
         parts.append(
