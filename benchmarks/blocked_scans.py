@@ -9,9 +9,17 @@ compiled with ``fullgraph=True`` and static shapes: ``inductor`` (plain Inductor
 blocked_scans=False)``), ``blocked`` (``hcpasses.backend()``). Every variant's values must equal eager's bit for bit
 (the run stops otherwise). Per case and variant: ``kernel_ms`` (device time of all kernels per call over
 ``--repeats`` calls, measured as ``prefill_hf.profiled`` measures it), the kernels per call and the names with the
-most time, and whether the pass applied (from the hcpasses report). ``--cpu-smoke`` runs the same on CPU at tiny
-sizes, where the pass does not apply (Inductor scans with ATen on CPU) and kernel times are CPU ops' self times: it
-checks the plumbing only.
+most time, whether the pass applied (from the hcpasses report), and ``aten_scans``: each ATen scan the compiled
+code calls, with the shape of what it scans (a blocked scan that Inductor still sends to ATen shows here which
+level went: ``[rows, blocks, 1024]`` the blocks, ``[rows, blocks]`` the carry). ``--cpu-smoke`` runs the same on CPU
+at tiny sizes, where the pass does not apply (Inductor scans with ATen on CPU) and kernel times are CPU ops' self
+times: it checks the plumbing only.
+
+``--source ngram`` scans with transformers' own code instead of this file's copy: ``Qwen4ExpTextNGramEmbedding``
+(qwen4_exp's PLE n-gram hashing, real config; tiny with ``--cpu-smoke``) on ``[batch, length]`` ids, which it
+extends by its 2-id history, scans twice (one shift each, of the same EOS positions) and embeds; run under
+``torch.no_grad()`` as inference is. On the H200 (2026-12-05) the copy ran every level in Triton while the real
+model's prefill still ran one ATen scan: this source shows which level, and why, in the real module's graph.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +35,10 @@ from typing import Any
 
 import torch
 from prefill_hf import profiled
+from torch._inductor.utils import run_and_get_code
 
 import hcpasses
+from hcpasses.testing import hf_models
 
 EOS = 0
 GPU_CASES = ((1, 16387), (1, 65539), (8, 2051), (1, 262147))  # T + the history's 3 ids, as qwen4_exp scans
@@ -40,12 +51,48 @@ def eos_scan(ids: torch.Tensor) -> torch.Tensor:
     return positions - previous_eos  # a user of the values, as the hashing's position in the segment
 
 
-def compiled(variant: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+def ngram_hashing(device: torch.device, smoke: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' qwen4_exp n-gram embedding (its ``_shift_right_ignore_eos`` scans), as one function of the ids."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+
+    fields = hf_models.QWEN4_EXP_TINY if smoke else {**hf_models.QWEN4_EXP_REAL, **hf_models.QWEN4_EXP_INDEXER}
+    config = Qwen4ExpTextConfig(**{**fields, "eos_token_id": EOS})
+    with torch.device(device):
+        module = Qwen4ExpTextNGramEmbedding(config, config.ple_embed_dim, layer_idx=0).eval()
+    return lambda ids: module(ids, None)
+
+
+def compiled(variant: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Callable[..., Any], Any]:
     torch._dynamo.reset()
     if variant == "inductor":
-        return torch.compile(eos_scan, backend="inductor", fullgraph=True, dynamic=False), None
+        return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False), None
     be = hcpasses.backend(blocked_scans=variant == "blocked")
-    return torch.compile(eos_scan, backend=be, fullgraph=True, dynamic=False), be
+    return torch.compile(fn, backend=be, fullgraph=True, dynamic=False), be
+
+
+ATEN_SCAN = re.compile(r"^\s*(\w+) = torch\.ops\.aten\.(cummax|cummin)\.default\((\w+)")
+
+
+def aten_scans(code: str) -> list[dict[str, str]]:
+    """The ATen scans ``code`` (Inductor's output code) calls, each with the shape of the buffer or input it scans
+    (from that buffer's allocation or size assertion); comments, which name the FX nodes, do not count."""
+    lines = code.splitlines()
+    found = []
+    for line in lines:
+        match = ATEN_SCAN.match(line)
+        if match:
+            source = match[3]
+            shape = next(
+                (
+                    re.search(r"\((?:\w+, )?(\([^)]*\))", other)[1]
+                    for other in lines
+                    if re.match(rf"^\s*({source} = empty_strided\w*\(|assert_size_stride\({source},)", other)
+                ),
+                "?",
+            )
+            found.append({"op": match[2], "scans": source, "shape": shape})
+    return found
 
 
 def kernel_times(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, float, dict[str, float]]:
@@ -55,20 +102,28 @@ def kernel_times(fn: Callable[[], Any], device: torch.device, repeats: int) -> t
     return kernels["kernel_ms"], kernels["kernels"], by_name
 
 
-def run_case(batch: int, length: int, device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
+def run_case(
+    batch: int, length: int, device: torch.device, warmup: int, repeats: int, scan: Callable[[torch.Tensor], Any]
+) -> dict[str, Any]:
     ids = torch.randint(0, 50, (batch, length), device=device)
-    want = eos_scan(ids)
+    want = scan(ids)
     row: dict[str, Any] = {"batch": batch, "length": length}
     for variant in ("inductor", "off", "blocked"):
-        fn, be = compiled(variant)
-        got = fn(ids)
+        fn, be = compiled(variant, scan)
+        got, code = run_and_get_code(fn, ids)
         if not torch.equal(got, want):
             raise SystemExit(f"{variant} at [{batch}, {length}]: values differ from eager")
         for _ in range(warmup):
             fn(ids)
         ms, kernels, by_name = kernel_times(lambda fn=fn: fn(ids), device, repeats)
         applied = be.reports[0].applied.get("blocked_scans", 0) if be is not None else None
-        row[variant] = {"kernel_ms": round(ms, 4), "kernels": kernels, "by_name": by_name, "applied": applied}
+        row[variant] = {
+            "kernel_ms": round(ms, 4),
+            "kernels": kernels,
+            "by_name": by_name,
+            "applied": applied,
+            "aten_scans": aten_scans("\n".join(code)),
+        }
     row["off_over_blocked"] = round(row["off"]["kernel_ms"] / max(row["blocked"]["kernel_ms"], 1e-9), 3)
     return row
 
@@ -80,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cases", default=None, help="BATCHxLENGTH,... (default: the four GPU cases)")
+    parser.add_argument("--source", choices=("copy", "ngram"), default="copy", help="this file's scan or transformers'")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("needs CUDA (or --cpu-smoke)")
     torch.manual_seed(0)
+    scan = eos_scan if args.source == "copy" else ngram_hashing(device, args.cpu_smoke)
     result: dict[str, Any] = {
+        "source": args.source,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "cases": [],
@@ -94,13 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cases:
         chosen = tuple(tuple(int(n) for n in case.split("x")) for case in args.cases.split(","))
     for batch, length in chosen:
-        result["cases"].append(run_case(batch, length, device, args.warmup, args.repeats))
+        with torch.no_grad():
+            result["cases"].append(run_case(batch, length, device, args.warmup, args.repeats, scan))
         args.out.write_text(json.dumps(result, indent=1))  # kept so far, should a time-limited call end it
         case = result["cases"][-1]
         print(
             f"[{batch}, {length}] kernel ms: inductor {case['inductor']['kernel_ms']}, off {case['off']['kernel_ms']}, "
             f"blocked {case['blocked']['kernel_ms']} (applied {case['blocked']['applied']}); "
-            f"off / blocked {case['off_over_blocked']}x"
+            f"off / blocked {case['off_over_blocked']}x; ATen scans left {case['blocked']['aten_scans']}"
         )
     return 0
 

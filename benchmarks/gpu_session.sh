@@ -5,8 +5,9 @@
 #
 #     bash benchmarks/gpu_session.sh tests      # GPU test files, then the fla test alone (about 220 s)
 #     bash benchmarks/gpu_session.sh prefill    # deepseek_v4 tp 8 (the SP prologue), qwen4_exp FP8 tp 4 (host time)
-#     bash benchmarks/gpu_session.sh scans      # blocked_scans: the scan alone, then qwen4_exp bf16 tp 8 per kernel
-#     bash benchmarks/gpu_session.sh scans-quick  # blocked_scans' GPU tests and the scan at two lengths (short call)
+#     bash benchmarks/gpu_session.sh scans      # blocked_scans: the scan alone (a copy, then transformers' n-gram
+#                                               # module), then qwen4_exp bf16 tp 8 per kernel
+#     bash benchmarks/gpu_session.sh scans-quick  # blocked_scans' GPU tests, the copy at two lengths, the module once
 #     bash benchmarks/gpu_session.sh generate   # generate() at real size: deepseek_v4 tp 8 (simulated), then tp 1
 #
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
@@ -45,6 +46,8 @@ prefill)
 scans)
     PYTHONPATH=/tmp/site:. timeout 150 python3 benchmarks/blocked_scans.py --out "$out/blocked_scans_h200.json" 2>&1 \
         | tee "$out/scans.log" | grep -E "^\["
+    PYTHONPATH=/tmp/site:. timeout 120 python3 benchmarks/blocked_scans.py --source ngram --cases 1x16384,1x65536 \
+        --out "$out/blocked_scans_ngram_h200.json" 2>&1 | tee "$out/scans_ngram.log" | grep -E "^\["
     bench="python3 benchmarks/prefill_hf.py --tokens 16384 --warmup 1 --repeats 10 --out $out"
     PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 300 $bench --models qwen4_exp --layers 3 --dtypes bf16 \
         --tp 8 --variants handwritten_sp,hcpasses_sp --tag q3_bf16_tp8_scans_h200 2>&1 | tee "$out/q.log" \
@@ -55,6 +58,9 @@ scans-quick)
         -k "cuda or inductor_splits" 2>&1 | tee "$out/scans_tests.log" | tail -6
     PYTHONPATH=/tmp/site:. timeout 100 python3 benchmarks/blocked_scans.py --cases 1x16387,1x65539 --repeats 10 \
         --warmup 2 --out "$out/blocked_scans_h200.json" 2>&1 | tee "$out/scans.log" | grep -E "^\["
+    # transformers' own n-gram module: which level of its blocked scan still runs in ATen in the real model
+    PYTHONPATH=/tmp/site:. timeout 120 python3 benchmarks/blocked_scans.py --source ngram --cases 1x16384 --repeats 10 \
+        --warmup 2 --out "$out/blocked_scans_ngram_h200.json" 2>&1 | tee "$out/scans_ngram.log" | grep -E "^\["
     ;;
 generate)
     for tp in 8 1; do

@@ -327,12 +327,20 @@ def test_on_cuda_the_blocked_scan_runs_in_triton_and_matches_eager() -> None:
     assert not aten_scans[True] and any(name.startswith("triton_") for name in kernels[True]), kernels[True]
 
 
-def test_the_benchmark_runs_on_cpu_and_records_each_variant(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("source", "scans", "history"), [("copy", 1, 0), ("ngram", 2, 2)])
+def test_the_benchmark_runs_on_cpu_and_records_each_variant(
+    source: str, scans: int, history: int, tmp_path: Path
+) -> None:
     """``benchmarks/blocked_scans.py --cpu-smoke``: every variant's values are checked against eager (it exits on a
-    difference) and its kernel time, kernel count and the pass's count are recorded per case."""
+    difference) and its kernel time, kernel count, the pass's count and the ATen scans its code calls (each with the
+    shape it scans) are recorded per case; ``--source ngram`` scans with transformers' n-gram module (two shifts,
+    each a scan of the ids and their 2-id history)."""
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/blocked_scans.py", "--cpu-smoke", "--repeats", "2", "--warmup", "1", "--out", out],
+        [
+            *(sys.executable, "benchmarks/blocked_scans.py", "--cpu-smoke", "--repeats", "2", "--warmup", "1"),
+            *("--source", source, "--out", out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -340,14 +348,37 @@ def test_the_benchmark_runs_on_cpu_and_records_each_variant(tmp_path: Path) -> N
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["device"] and result["torch"] == torch.__version__
+    assert result["device"] and result["torch"] == torch.__version__ and result["source"] == source
     assert [(case["batch"], case["length"]) for case in result["cases"]] == [(1, 300), (2, 50)]
     for case in result["cases"]:
         assert case["inductor"]["applied"] is None and case["off"]["applied"] == 0
         assert case["blocked"]["applied"] == 0  # on CPU the pass leaves the scan to ATen
+        shape = str((case["batch"], case["length"] + history))
         for variant in ("inductor", "off", "blocked"):
             assert case[variant]["kernel_ms"] > 0 and case[variant]["kernels"] >= 1
+            found = case[variant]["aten_scans"]
+            assert [(scan["op"], scan["shape"]) for scan in found] == [("cummax", shape)] * scans, found
         assert case["off_over_blocked"] == round(case["off"]["kernel_ms"] / case["blocked"]["kernel_ms"], 3)
+
+
+def test_the_benchmarks_aten_scan_record_reads_calls_not_comments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``aten_scans`` takes from output code: the calls, with the shape of what each scans (an allocated buffer
+    or a graph input); the FX-node comments and size assertions that name the op are not calls."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # benchmarks/ is not a package
+    from blocked_scans import aten_scans as read
+
+    code = """
+    # %cummax : [num_users=1] = call_function[target=torch.ops.aten.cummax.default](args = (%pad, -1))
+    buf3 = empty_strided_cuda((1, 17, 1024), (17408, 1024, 1), torch.int64)
+    buf4 = torch.ops.aten.cummax.default(buf3, -1)
+    assert_size_stride(buf5, (1, 17, 1024), (17408, 1024, 1), 'torch.ops.aten.cummax.default')
+    assert_size_stride(arg0_1, (1, 17), (17, 1))
+    buf9 = torch.ops.aten.cummin.default(arg0_1, dim=1)
+    """
+    assert read(code) == [
+        {"op": "cummax", "scans": "buf3", "shape": "(1, 17, 1024)"},
+        {"op": "cummin", "scans": "arg0_1", "shape": "(1, 17)"},
+    ]
 
 
 def test_the_manager_verifies_a_blocked_cuda_graph_and_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
