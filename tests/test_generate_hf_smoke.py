@@ -35,3 +35,37 @@ def test_cpu_smoke_generates_eagers_tokens_and_shards_only_the_prefill(tmp_path:
         assert sharded["prefill_sharded"] and sharded["decode_unsharded"], sharded["reports"]
         assert sharded["graphs"][0]["sp_rewrite"] == "applied" and len(sharded["graphs"]) >= 2
     assert one["eager"]["tokens"] == one["hcpasses"]["tokens"] and "graphs" not in one["eager"]
+
+
+@pytest.mark.thorough  # the tiny model through generate() three times: CI, not the quick local run
+def test_a_variant_that_fails_keeps_the_other_variants_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variant's error (as the CUDA-graph one of deepseek_v4's cache on the GPU) is its own row: the case keeps
+    eager's and the plain backend's rows and their verdicts, and the summary names the error."""
+    import argparse
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # benchmarks/ is not a package
+    import generate_hf
+
+    runs = []
+    real_run = generate_hf.run_generate
+
+    def third_run_fails(*args: object) -> dict[str, object]:
+        runs.append(args[-1])  # the backend: None for eager
+        if len(runs) == 3:  # eager, hcpasses, then hcpasses_cudagraphs
+            raise RuntimeError("accessing tensor output of CUDAGraphs that has been overwritten")
+        return real_run(*args)
+
+    monkeypatch.setattr(generate_hf, "run_generate", third_run_fails)
+    args = argparse.Namespace(
+        cpu_smoke=True, layers=generate_hf.SMOKE_LAYERS, prompt=generate_hf.SMOKE_PROMPT, new_tokens=2, repeats=0
+    )
+    with generate_hf.eager_kernels_under_compile():
+        case = generate_hf.run_case(1, args, torch.device("cpu"))
+    assert len(runs) == 3 and runs[0] is None
+    assert case["hcpasses"]["tokens_equal"] and "error" not in case["hcpasses"], case["hcpasses"]
+    failed = case["hcpasses_cudagraphs"]
+    assert failed["error"].startswith("RuntimeError: accessing tensor output of CUDAGraphs") and failed["traceback"]
+    assert "tokens_equal" not in failed
+    assert "hcpasses_cudagraphs: RuntimeError: accessing tensor output" in generate_hf.summary(case)
