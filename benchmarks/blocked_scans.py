@@ -71,28 +71,21 @@ def compiled(variant: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[
     return torch.compile(fn, backend=be, fullgraph=True, dynamic=False), be
 
 
-ATEN_SCAN = re.compile(r"^\s*(\w+) = torch\.ops\.aten\.(cummax|cummin)\.default\((\w+)")
+ATEN_SCAN = re.compile(r"^\s*\w+ = torch\.ops\.aten\.(cummax|cummin)\.default\((\w+)")
+SHAPE = re.compile(r"^\s*(?:(\w+) = empty_strided\w*\(|assert_size_stride\((\w+), )(\([^)]*\))")
 
 
 def aten_scans(code: str) -> list[dict[str, str]]:
     """The ATen scans ``code`` (Inductor's output code) calls, each with the shape of the buffer or input it scans
-    (from that buffer's allocation or size assertion); comments, which name the FX nodes, do not count."""
+    (from that buffer's allocation or first size assertion); comments, which name the FX nodes, do not count."""
     lines = code.splitlines()
-    found = []
-    for line in lines:
-        match = ATEN_SCAN.match(line)
-        if match:
-            source = match[3]
-            shape = next(
-                (
-                    re.search(r"\((?:\w+, )?(\([^)]*\))", other)[1]
-                    for other in lines
-                    if re.match(rf"^\s*({source} = empty_strided\w*\(|assert_size_stride\({source},)", other)
-                ),
-                "?",
-            )
-            found.append({"op": match[2], "scans": source, "shape": shape})
-    return found
+    shapes: dict[str, str] = {}
+    for match in filter(None, map(SHAPE.match, lines)):
+        shapes.setdefault(match[1] or match[2], match[3])
+    return [
+        {"op": match[1], "scans": match[2], "shape": shapes.get(match[2], "?")}
+        for match in filter(None, map(ATEN_SCAN.match, lines))
+    ]
 
 
 def kernel_times(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, float, dict[str, float]]:
