@@ -3,23 +3,24 @@
     PYTHONPATH=. python benchmarks/blocked_scans.py --out benchmarks/results/blocked_scans_h200.json        # GPU
     python benchmarks/blocked_scans.py --cpu-smoke --out /tmp/smoke.json     # CPU: the plumbing, tiny sizes
 
-The scan is qwen4_exp's n-gram hashing's (``_shift_right_ignore_eos``): ``cummax(where(ids == eos, positions, -1),
-dim=1).values`` over the token history of ``[batch, length]`` int64 ids, then one pointwise user. Variants, each
+The scan is qwen4_exp's n-gram hashing's (``_shift_right_ignore_eos``): ``cummax(where(history == eos, positions,
+-1), dim=1).values`` over the token history (``cat`` of a 2-id EOS history and ``[batch, length]`` int64 ids, as
+transformers builds it: the ``cat`` changes how Inductor classifies the scan), then one pointwise user. Variants, each
 compiled with ``fullgraph=True`` and static shapes: ``inductor`` (plain Inductor), ``off`` (``hcpasses.backend(
 blocked_scans=False)``), ``blocked`` (``hcpasses.backend()``). Every variant's values must equal eager's bit for bit
 (the run stops otherwise). Per case and variant: ``kernel_ms`` (device time of all kernels per call over
 ``--repeats`` calls, measured as ``prefill_hf.profiled`` measures it), the kernels per call and the names with the
 most time, whether the pass applied (from the hcpasses report), and ``aten_scans``: each ATen scan the compiled
 code calls, with the shape of what it scans (a blocked scan that Inductor still sends to ATen shows here which
-level went: ``[rows, blocks, 1024]`` the blocks, ``[rows, blocks]`` the carry). ``--cpu-smoke`` runs the same on CPU
+level went: ``[rows, blocks, block]`` the blocks, ``[rows, blocks]`` the carry). ``--cpu-smoke`` runs the same on CPU
 at tiny sizes, where the pass does not apply (Inductor scans with ATen on CPU) and kernel times are CPU ops' self
 times: it checks the plumbing only.
 
 ``--source ngram`` scans with transformers' own code instead of this file's copy: ``Qwen4ExpTextNGramEmbedding``
 (qwen4_exp's PLE n-gram hashing, real config; tiny with ``--cpu-smoke``) on ``[batch, length]`` ids, which it
 extends by its 2-id history, scans twice (one shift each, of the same EOS positions) and embeds; run under
-``torch.no_grad()`` as inference is. On the H200 (2026-12-05) the copy ran every level in Triton while the real
-model's prefill still ran one ATen scan: this source shows which level, and why, in the real module's graph.
+``torch.no_grad()`` as inference is. (On the H200, 2026-12-05, a copy without the ``cat`` ran every level in Triton
+while the real module sent its blocks of 1024 to ATen: this source is how that was found.)
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ import hcpasses
 from hcpasses.testing import hf_models
 
 EOS = 0
-GPU_CASES = ((1, 16387), (1, 65539), (8, 2051), (1, 262147))  # T + the history's 3 ids, as qwen4_exp scans
+GPU_CASES = ((1, 16384), (1, 65536), (8, 2048), (1, 262144))  # T; the scan is T + the history's 2 ids
 SMOKE_CASES = ((1, 300), (2, 50))
+HISTORY = 2  # ids of context qwen4_exp keeps before the prompt (ngram_size - 1)
 
 
 def eos_scan(ids: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    previous_eos = torch.cummax(torch.where(ids == EOS, positions, -1), dim=1).values
+    history = torch.cat([ids.new_full((ids.shape[0], HISTORY), EOS), ids], dim=1)
+    positions = torch.arange(history.shape[1], device=ids.device)
+    previous_eos = torch.cummax(torch.where(history == EOS, positions, -1), dim=1).values
     return positions - previous_eos  # a user of the values, as the hashing's position in the segment
 
 
@@ -71,19 +74,22 @@ def compiled(variant: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[
     return torch.compile(fn, backend=be, fullgraph=True, dynamic=False), be
 
 
-ATEN_SCAN = re.compile(r"^\s*\w+ = torch\.ops\.aten\.(cummax|cummin)\.default\((\w+)")
+ATEN_SCAN = re.compile(  # the scanned buffer, named, or through a view with its own shape
+    r"^\s*\w+ = torch\.ops\.aten\.(cummax|cummin)\.default\((?:reinterpret_tensor\((\w+), (\([^)]*\)))?(\w+)?"
+)
 SHAPE = re.compile(r"^\s*(?:(\w+) = empty_strided\w*\(|assert_size_stride\((\w+), )(\([^)]*\))")
 
 
 def aten_scans(code: str) -> list[dict[str, str]]:
     """The ATen scans ``code`` (Inductor's output code) calls, each with the shape of the buffer or input it scans
-    (from that buffer's allocation or first size assertion); comments, which name the FX nodes, do not count."""
+    (a view's own shape, else that buffer's allocation or first size assertion); comments, which name the FX nodes,
+    do not count."""
     lines = code.splitlines()
     shapes: dict[str, str] = {}
     for match in filter(None, map(SHAPE.match, lines)):
         shapes.setdefault(match[1] or match[2], match[3])
     return [
-        {"op": match[1], "scans": match[2], "shape": shapes.get(match[2], "?")}
+        {"op": match[1], "scans": match[2] or match[4], "shape": match[3] or shapes.get(match[4], "?")}
         for match in filter(None, map(ATEN_SCAN.match, lines))
     ]
 
