@@ -524,8 +524,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="blocked_scan_nan_loses_to_carry",
         fault="the blocked scan's combine takes the earlier blocks' max over a NaN of the block (cummax propagates it)",
         file="hcpasses/passes/blocked_scans.py",
-        old="""        if val.dtype.is_floating_point:
-            own = call(aten.logical_or.default, own, call(aten.isnan.default, inner))
+        old="""    if dtype.is_floating_point:
+        own = call(aten.logical_or.default, own, call(aten.isnan.default, inner))
 """,
         new="",
         tests=("tests/test_blocked_scans.py::test_the_blocked_scan_has_exactly_the_values_of_the_scan",),
@@ -534,10 +534,10 @@ MUTANTS: tuple[Mutant, ...] = (
         name="blocked_scan_carry_includes_own_block",
         fault="each block is combined with the running max up to its own end, not up to the block before it",
         file="hcpasses/passes/blocked_scans.py",
-        old="""        earlier = call(aten.slice.Tensor, carry, -1, 0, -1)
-        before = call(aten.unsqueeze.default, call(aten.constant_pad_nd.default, earlier, [1, 0], lowest), -1)
+        old="""    earlier = call(aten.slice.Tensor, carry, -1, 0, -1)
+    before = call(aten.unsqueeze.default, call(aten.constant_pad_nd.default, earlier, [1, 0], _lowest(dtype, kind)), -1)
 """,
-        new="""        before = call(aten.unsqueeze.default, carry, -1)
+        new="""    before = call(aten.unsqueeze.default, carry, -1)
 """,
         tests=("tests/test_blocked_scans.py::test_the_blocked_scan_has_exactly_the_values_of_the_scan",),
     ),
