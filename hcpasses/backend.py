@@ -10,7 +10,8 @@ Variants: when a pass shards a graph whose token count T is symbolic (its record
 off and a ``TokenDispatch`` runs the sharded graph for T >= ``min_tokens`` and the unsharded one below
 (decode sizes keep the plain graph). With ``lazy_variants=True`` (the default) that second compile waits for the
 first call with T < ``min_tokens`` (``LazyVariant``). With ``cudagraphs=True`` only unsharded graphs are compiled with
-CUDA graphs: a graph no pass sharded is compiled again with them, under the same pipeline.
+CUDA graphs: a graph no pass sharded is compiled again with them, under the same pipeline, and hands the caller
+outputs it owns (``OwnedOutputs``: copied out of the graph's memory, which the next call overwrites).
 
 ``torch.compile(model, backend="hcpasses")`` finds ``compile_with_defaults`` through the
 ``torch_dynamo_backends`` entry point; its reports are on ``hcpasses.default_backend().reports``.
@@ -157,6 +158,37 @@ class TokenDispatch:
         variant = "sharded" if self.tokens(args) >= self.min_tokens else "unsharded"
         self.calls[variant] += 1
         return (self.sharded if variant == "sharded" else self.unsharded)(*args)
+
+
+class OwnedOutputs:
+    """A graph compiled with CUDA graphs whose outputs the caller owns: every tensor output that is not a view of an
+    input is copied out of the graph's memory, so a later call cannot overwrite it.
+
+    Inductor's CUDA-graph trees give each call's outputs in the graph's pool and write the next call's over them:
+    a tensor kept from one call to the next (a KV cache assigned from the forward's output, as deepseek_v4's
+    sliding-window cache keeps ``full[:, :, -window + 1 :, :]``) then reads as Inductor's error "accessing tensor
+    output of CUDAGraphs that has been overwritten by a subsequent run" (transformers' ``generate()``, H100, torch
+    2.11; ``torch.compile(mode="reduce-overhead")`` too, where the user clones by hand). The copy is per storage, so
+    outputs that view one buffer still do after it; outputs that view an input are the input's and are left as they
+    are. The cost: one copy of each output buffer per call (a decode step's logits and cache updates)."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args: Any) -> Any:
+        outputs = self.compiled(*args)
+        inputs = {arg.untyped_storage().data_ptr() for arg in args if isinstance(arg, torch.Tensor)}
+        copies: dict[int, torch.UntypedStorage] = {}
+        return type(outputs)(_owned(output, inputs, copies) for output in outputs)  # Inductor's: a list or tuple
+
+
+def _owned(output: Any, inputs: set[int], copies: dict[int, torch.UntypedStorage]) -> Any:
+    """``output``, on a copy of its storage (one copy per storage) unless it is not a tensor or views an input."""
+    if not isinstance(output, torch.Tensor) or output.untyped_storage().data_ptr() in inputs:
+        return output
+    storage = output.untyped_storage()
+    copy = copies.setdefault(storage.data_ptr(), storage.clone())
+    return output.new_empty(0).set_(copy, output.storage_offset(), output.size(), output.stride())
 
 
 class LazyVariant:
@@ -367,6 +399,8 @@ class HCPassesBackend:
         key = self._report_key(gm, manager)
         config = self.inductor_config(manager, cudagraphs)
         compiled = compile_fx(gm, list(example_inputs), config_patches=config)
+        if cudagraphs:
+            compiled = OwnedOutputs(compiled)
         fresh = self.reports[seen:]
         if fresh:
             self._store_reports(key, fresh)

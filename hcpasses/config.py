@@ -89,7 +89,8 @@ class HCPassesConfig:
         False,
         BOOL,
         "capture the graphs no pass sharded (decode sizes: T < sp_min_tokens) as CUDA graphs, like "
-        '`mode="reduce-overhead"`; sharded graphs are never captured',
+        '`mode="reduce-overhead"`; sharded graphs are never captured; their outputs are copied out of the graph\'s '
+        "memory (one copy per output buffer and call), so a tensor kept across calls (a KV cache) stays valid",
     )
     lazy_variants: bool = option(
         True,

@@ -156,12 +156,14 @@ def run_pass(graph: fx.Graph) -> hcpasses.graph_pass.PassResult:
 
 
 def as_on_an_h200(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
-    """Inductor's split heuristic answers as on an H200; the (length, rows, inner) it is asked, in order."""
+    """Inductor's split heuristic answers as on an H200; the (length, rows, inner) it is asked, in order (each asked
+    for the scan's own device, with int sizes, as Inductor's heuristic needs)."""
     from torch._inductor.choices import InductorChoices
 
     asked = []
 
     def factor(device: torch.device, length: int, rows: int, inner_reduction: bool) -> int:
+        assert device == torch.device("cuda", 0) and type(length) is int and type(rows) is int, (device, length, rows)
         asked.append((length, rows, inner_reduction))
         return heuristic_of_an_h200(device, length, rows, inner_reduction)
 
@@ -223,12 +225,12 @@ def test_inductor_may_split_asks_both_of_inductors_heuristics_for_several_rows(m
 
     monkeypatch.setattr(InductorChoices, "reduction_split_factor", staticmethod(factor))
     device = torch.device("cuda", 1)
-    assert inductor_may_split(device, 9000, 3) and inductor_may_split(device, 1000, 3)
+    assert inductor_may_split(device, 9000, 3) and inductor_may_split(device, 1000, 2)
     assert not inductor_may_split(device, 1000, 1) and not inductor_may_split(device, 100, 7)
     assert asked == [
         (device, 9000, 3, True),
-        (device, 1000, 3, True),
-        (device, 1000, 3, False),
+        (device, 1000, 2, True),
+        (device, 1000, 2, False),
         (device, 1000, 1, True),
         (device, 100, 7, True),
         (device, 100, 7, False),
@@ -254,6 +256,7 @@ SPLITS = {
         ("h200", 100, 4, None),  # split by neither heuristic
         ("above 512", 5000, 1, 512),  # the largest that fits, not the first that does from below
         ("always", 5000, 1, 32),  # nothing fits: Inductor's floor, which it never splits
+        ("always", 50, 1, 32),  # ... also for a row just over it
         ("always", 32, 1000, None),  # the floor itself is never split
         ("600 only", 600, 1, 512),  # a block is shorter than the row: 1024 would be one block, scanned as the row
     ],
@@ -261,8 +264,14 @@ SPLITS = {
 def test_inductor_block_is_the_largest_block_inductor_runs_unsplit(
     splits: str, length: int, rows: int, block: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(blocked_scans, "inductor_may_split", lambda device, n, r: SPLITS[splits](n, r))
-    assert inductor_block(torch.device("cuda"), length, rows) == block
+    device = torch.device("cuda", 1)
+
+    def may_split(asked: torch.device, n: int, r: int) -> bool:
+        assert asked == device  # the scan's own device
+        return SPLITS[splits](n, r)
+
+    monkeypatch.setattr(blocked_scans, "inductor_may_split", may_split)
+    assert inductor_block(device, length, rows) == block
 
 
 def _values_name(graph: fx.Graph) -> str:

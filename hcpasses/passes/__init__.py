@@ -60,7 +60,7 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec(
         BlockedScans,
         True,
-        "run a long cummax / cummin whose indices nothing reads as a two-level blocked scan, which Inductor lowers "
+        "run a long cummax / cummin whose indices nothing reads as a blocked scan, which Inductor lowers "
         "to Triton instead of ATen's kernel (CUDA)",
     ),
     PassSpec(DeadCodeCleanup, True, "erase the pure ops whose results nothing uses"),
