@@ -153,6 +153,7 @@ def run_case(tp: int, args: argparse.Namespace, device: torch.device) -> dict[st
         case: dict[str, Any] = {"tp": tp, "prompt": args.prompt, "new_tokens": args.new_tokens}
         if tp == 1:
             case["eager"] = run_generate(model, prompt, args, None)
+            progress(case, "eager")
         for name, flags in (("hcpasses", {}), ("hcpasses_cudagraphs", {"cudagraphs": device.type == "cuda"})):
             backend = hcpasses.backend(sp_min_tokens=max(2, args.prompt // 2), **flags)
             # per variant: a failure of one (a CUDA-graph error) keeps the other's row
@@ -160,11 +161,19 @@ def run_case(tp: int, args: argparse.Namespace, device: torch.device) -> dict[st
             if "error" not in row:
                 row |= {"tokens_equal": row["tokens"] == case["eager"]["tokens"]} if tp == 1 else sp_verdict(row)
             case[name] = row
+            progress(case, name)
         del model
         torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return case
+
+
+def progress(case: dict[str, Any], name: str) -> None:
+    """One line per finished variant, printed at once: a run a time limit ends still shows how far it got."""
+    row = case[name]
+    seconds = row.get("first_generate_s", "?")
+    print(f"tp {case['tp']} {name}: {row.get('error', 'done')[:200]} (first generate {seconds} s)", flush=True)
 
 
 def summary(case: dict[str, Any]) -> str:

@@ -64,7 +64,7 @@ scans-quick)
     ;;
 generate)
     for tp in 8 1; do
-        PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 280 python3 benchmarks/generate_hf.py --tp $tp \
+        PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 290 python3 benchmarks/generate_hf.py --tp $tp --repeats 1 \
             --new-tokens 4 --out "$out/generate_hf_tp${tp}_h200.json" 2>&1 | tee "$out/generate_tp$tp.log" | tail -2
     done
     ;;

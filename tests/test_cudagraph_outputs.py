@@ -5,7 +5,8 @@ Inductor's CUDA-graph trees return each call's outputs in the graph's memory poo
 them (deepseek_v4's sliding-window cache in ``generate()`` read them afterwards: "accessing tensor output of
 CUDAGraphs that has been overwritten by a subsequent run", H100, torch 2.11). On CPU, where Inductor captures no
 CUDA graph, ``PoolOutputs`` stands in for that behaviour: the same outputs, written into one buffer per output that
-every call overwrites. On the GPU the last test runs the real thing.
+every call overwrites. On the GPU the last test runs the real thing. ``OwnedOutputs`` alone, and which compiles get
+it: ``tests/unit/test_unit_backend.py`` (fast, for the mutation run).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import pytest
 import torch
 
 import hcpasses
-from hcpasses.backend import OwnedOutputs
 
 backend_module = sys.modules["hcpasses.backend"]  # the module; ``hcpasses.backend`` is the function
 
@@ -97,40 +97,6 @@ def test_outputs_kept_across_calls_of_a_cuda_graph_keep_their_values(
     assert asked and all(asked[1::2]), asked  # each graph compiled again with CUDA graphs
     same = [torch.equal(g, w) for g, w in zip(got, want, strict=True)]
     assert all(same) if owned else not all(same), same
-
-
-def test_owned_outputs_copy_each_buffer_once_and_leave_an_inputs_view_alone() -> None:
-    pool = torch.zeros(6)
-
-    def compiled(x: torch.Tensor, scale: int) -> tuple[Any, ...]:
-        pool.copy_(torch.arange(6.0) * scale)  # this call's outputs, over the last call's
-        return pool[:4], pool[2:], x[1:], scale
-
-    x = torch.randn(3)
-    first = OwnedOutputs(compiled)(x, 1)
-    OwnedOutputs(compiled)(x, 5)
-    assert isinstance(first, tuple) and len(first) == 4
-    assert torch.equal(first[0], torch.arange(4.0)) and torch.equal(first[1], torch.arange(2.0, 6.0))
-    assert first[0].untyped_storage().data_ptr() == first[1].untyped_storage().data_ptr()  # still one buffer
-    assert first[0].untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()
-    first[0][3] = -1.0
-    assert first[1][1] == -1.0  # they still view one buffer: a write through one shows in the other
-    assert first[2].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # the input's, not copied
-    assert first[3] == 1
-    assert isinstance(OwnedOutputs(lambda: [pool])(), list)
-
-
-def test_without_cuda_graphs_the_outputs_are_inductors_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The copy is only for graphs compiled with CUDA graphs: ``cudagraphs=False`` returns Inductor's callable."""
-    made = []
-    monkeypatch.setattr(backend_module, "compile_fx", lambda gm, inputs, config_patches: made.append(1) or gm)
-    torch._dynamo.reset()
-    be = hcpasses.backend()
-    gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    assert be(gm, [torch.randn(2)]) is gm and made == [1]
-    torch._dynamo.reset()
-    made.clear()
-    assert isinstance(hcpasses.backend(cudagraphs=True)(gm, [torch.randn(2)]), OwnedOutputs) and made == [1, 1]
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU machine)")

@@ -22,6 +22,8 @@ def test_cpu_smoke_generates_eagers_tokens_and_shards_only_the_prefill(tmp_path:
         [*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    for line in ("tp 1 eager: done", "tp 1 hcpasses: done", "tp 1 hcpasses_cudagraphs: done", "tp 2 hcpasses: done"):
+        assert line in done.stdout, done.stdout[-2000:]  # each variant's line, as it finishes
     one, two = json.loads(out.read_text())["cases"]
     assert "error" not in one and "error" not in two, (one, two)
     assert (one["tp"], two["tp"]) == (1, 2)

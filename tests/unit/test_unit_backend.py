@@ -27,6 +27,7 @@ from hcpasses.backend import (
     HCPassesBackend,
     LazyInputs,
     LazyVariant,
+    OwnedOutputs,
     TokenCount,
     TokenDispatch,
     compile_with_defaults,
@@ -547,3 +548,38 @@ def test_a_lazy_compile_that_fixes_the_token_count_gives_the_variant_up(compiles
     assert len(compiles.patches) == 2 and compiled.unsharded.added  # compiled once, then given up
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "hcpasses"]
     assert "no longer checks" in warning and compiled.unsharded.added[0] in warning
+
+
+def test_owned_outputs_copy_each_buffer_once_and_leave_an_inputs_view_alone() -> None:
+    pool = torch.zeros(6)
+
+    def compiled(x: torch.Tensor, scale: int) -> tuple[Any, ...]:
+        pool.copy_(torch.arange(6.0) * scale)  # this call's outputs, over the last call's
+        return pool[:4], pool[2:], x[1:], scale
+
+    x = torch.randn(3)
+    first = OwnedOutputs(compiled)(x, 1)
+    OwnedOutputs(compiled)(x, 5)
+    assert isinstance(first, tuple) and len(first) == 4
+    assert torch.equal(first[0], torch.arange(4.0)) and torch.equal(first[1], torch.arange(2.0, 6.0))
+    assert first[0].untyped_storage().data_ptr() == first[1].untyped_storage().data_ptr()  # still one buffer
+    assert first[0].untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()
+    first[0][3] = -1.0
+    assert first[1][1] == -1.0  # they still view one buffer: a write through one shows in the other
+    assert first[2].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # the input's, not copied
+    assert first[3] == 1
+    assert isinstance(OwnedOutputs(lambda: [pool])(), list)
+
+
+def test_without_cuda_graphs_the_outputs_are_inductors_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is only for graphs compiled with CUDA graphs: ``cudagraphs=False`` returns Inductor's callable."""
+    made = []
+    backend_module = sys.modules["hcpasses.backend"]  # the module; ``hcpasses.backend`` is the function
+    monkeypatch.setattr(backend_module, "compile_fx", lambda gm, inputs, config_patches: made.append(1) or gm)
+    torch._dynamo.reset()
+    be = hcpasses.backend()
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    assert be(gm, [torch.randn(2)]) is gm and made == [1]
+    torch._dynamo.reset()
+    made.clear()
+    assert isinstance(hcpasses.backend(cudagraphs=True)(gm, [torch.randn(2)]), OwnedOutputs) and made == [1, 1]
