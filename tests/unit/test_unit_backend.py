@@ -574,7 +574,6 @@ def test_owned_outputs_copy_each_buffer_once_and_leave_an_inputs_view_alone() ->
 def test_without_cuda_graphs_the_outputs_are_inductors_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The copy is only for graphs compiled with CUDA graphs: ``cudagraphs=False`` returns Inductor's callable."""
     made = []
-    backend_module = sys.modules["hcpasses.backend"]  # the module; ``hcpasses.backend`` is the function
     monkeypatch.setattr(backend_module, "compile_fx", lambda gm, inputs, config_patches: made.append(1) or gm)
     torch._dynamo.reset()
     be = hcpasses.backend()
