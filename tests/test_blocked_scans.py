@@ -119,7 +119,7 @@ def test_the_blocked_scan_has_exactly_the_values_of_the_scan(
 
 
 @pytest.mark.parametrize("block", [1, 300])
-def test_a_block_that_would_never_end_the_levels_is_refused(block: int) -> None:
+def test_a_block_of_one_element_or_of_the_whole_row_is_refused(block: int) -> None:
     gm = make_fx(values_of("max", 1))(torch.randn(2, 300))
     with pytest.raises(ValueError, match=f"a block of {block} elements cannot block a scan of 300"):
         block_scan(gm.graph, scans_in(gm.graph)[0], levels(block))
@@ -182,12 +182,11 @@ def test_a_long_cuda_scan_inductor_would_split_is_blocked_and_reported(monkeypat
     assert len(scans_in(graph)) == 2
     assert result.notes == (f"cummax: 16386 elements scanned in blocks of 128 -> {_values_name(graph)}",)
     (inner,) = [node for node in scans_in(graph) if node.args[0].target is aten.reshape.default]
-    assert list(value_shape(inner.args[0])) == [1, 129, 128]
+    assert value_shape(inner.args[0]) == (1, 129, 128)
 
 
 def value_shape(node: fx.Node) -> tuple[int, ...]:
-    """The shape of a new node's value, from the reshape / select that made it (the pass adds no fake values: the
-    manager propagates them)."""
+    """The shape a reshape made (the pass adds no fake values to its nodes: the manager propagates them)."""
     return tuple(node.args[1])
 
 

@@ -149,8 +149,8 @@ def inductor_block(device: torch.device, length: int, rows: int) -> int | None:
 
 def block_scan(graph: fx.Graph, scan: fx.Node, choose: BlockChoice) -> tuple[fx.Node, list[int]]:
     """Replace the values of ``scan`` (a cummax / cummin node of static sizes) with the blocked scan of the module
-    docstring, its block chosen by ``choose`` (which must give one); the new values node, and the block of each level
-    (the carry's scan blocked in turn while ``choose`` gives a block for it)."""
+    docstring, each level's block chosen by ``choose`` (the carry's scan is the next level; a level it gives None is
+    one scan); the new values node, and the block of each level."""
     x, dim = scan.args[0], _dim(scan)
     val = value_of(x)
     rank = val.dim()
@@ -176,7 +176,7 @@ def _blocked_values(
     block = choose(length, functools.reduce(operator.mul, outer, 1))
     if block is None:
         return _call(graph, operator.getitem, _call(graph, target, x, -1), 0), []
-    if not 1 < block < length:  # a block of 1 or of the whole row would never end the carry's recursion
+    if not 1 < block < length:  # a block of 1 never shortens the carry; one of the whole row is the scan again
         raise ValueError(f"a block of {block} elements cannot block a scan of {length}")
     call = functools.partial(_call, graph)
     kind = SCANS[target]
