@@ -18,6 +18,9 @@ cache in transformers (``tests/real_models/test_generate.py``). Cases, each from
   real TP job (and than each other: SP's reduce-scatter stand-in keeps one block of the rows where eager's
   all-reduce stand-in keeps all of them).
 
+``--variants`` picks the compiled variants (default both; eager always runs at tp 1, its tokens are the reference),
+so that a device call with little time can run the one it needs.
+
 Per run: the wall seconds of the whole ``generate`` (first call: compiles included, with each forward's ms;
 ``--repeats`` more calls: the median), the prefill's and the decode steps' wall ms in the last repeat (a wrapper
 of ``model.forward`` times each call, CUDA synchronised; none without repeats), the token count of each forward,
@@ -143,6 +146,9 @@ def sp_verdict(row: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+VARIANTS = ("hcpasses", "hcpasses_cudagraphs")  # the backend as it is, and with cudagraphs=True (CUDA only)
+
+
 def run_case(tp: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     with simulated_tp(tp, 0):
         model = build(args.cpu_smoke, args.layers, device)
@@ -154,7 +160,8 @@ def run_case(tp: int, args: argparse.Namespace, device: torch.device) -> dict[st
         if tp == 1:
             case["eager"] = run_generate(model, prompt, args, None)
             progress(case, "eager")
-        for name, flags in (("hcpasses", {}), ("hcpasses_cudagraphs", {"cudagraphs": device.type == "cuda"})):
+        for name in args.variants:
+            flags = {"cudagraphs": device.type == "cuda"} if name == "hcpasses_cudagraphs" else {}
             backend = hcpasses.backend(sp_min_tokens=max(2, args.prompt // 2), **flags)
             # per variant: a failure of one (a CUDA-graph error) keeps the other's row
             row = guarded(functools.partial(run_generate, model, prompt, args, backend))
@@ -202,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {GPU_LAYERS})")
     parser.add_argument("--repeats", type=int, default=2, help="generate calls after the first")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"compiled variants, of {', '.join(VARIANTS)}")
     args = parser.parse_args(argv)
+    args.variants = args.variants.split(",")
+    if not set(args.variants) <= set(VARIANTS):
+        parser.error(f"--variants {','.join(args.variants)}: choose among {', '.join(VARIANTS)}")
     smoke = args.cpu_smoke
     args.prompt = args.prompt or (SMOKE_PROMPT if smoke else GPU_PROMPT)
     args.layers = args.layers or (SMOKE_LAYERS if smoke else GPU_LAYERS)

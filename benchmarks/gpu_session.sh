@@ -63,7 +63,7 @@ scans-quick)
         --warmup 2 --out "$out/blocked_scans_ngram_h200.json" 2>&1 | tee "$out/scans_ngram.log" | grep -E "^\["
     ;;
 generate)
-    for tp in 8 1; do
+    for tp in ${GENERATE_TP:-8 1}; do  # GENERATE_TP=1: one tp per device call when time is short
         PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 290 python3 benchmarks/generate_hf.py --tp $tp --repeats 1 \
             --new-tokens 4 --out "$out/generate_hf_tp${tp}_h200.json" 2>&1 | tee "$out/generate_tp$tp.log" | tail -2
     done

@@ -61,7 +61,12 @@ def test_a_variant_that_fails_keeps_the_other_variants_rows(monkeypatch: pytest.
 
     monkeypatch.setattr(generate_hf, "run_generate", third_run_fails)
     args = argparse.Namespace(
-        cpu_smoke=True, layers=generate_hf.SMOKE_LAYERS, prompt=generate_hf.SMOKE_PROMPT, new_tokens=2, repeats=0
+        cpu_smoke=True,
+        layers=generate_hf.SMOKE_LAYERS,
+        prompt=generate_hf.SMOKE_PROMPT,
+        new_tokens=2,
+        repeats=0,
+        variants=list(generate_hf.VARIANTS),
     )
     with generate_hf.eager_kernels_under_compile():
         case = generate_hf.run_case(1, args, torch.device("cpu"))
@@ -71,3 +76,34 @@ def test_a_variant_that_fails_keeps_the_other_variants_rows(monkeypatch: pytest.
     assert failed["error"].startswith("RuntimeError: accessing tensor output of CUDAGraphs") and failed["traceback"]
     assert "tokens_equal" not in failed
     assert "hcpasses_cudagraphs: RuntimeError: accessing tensor output" in generate_hf.summary(case)
+
+
+@pytest.mark.thorough  # the tiny model through generate() twice
+def test_variants_runs_only_the_compiled_variants_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--variants hcpasses_cudagraphs``: eager (the reference at tp 1) and that variant run, the other does not."""
+    import argparse
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # benchmarks/ is not a package
+    import generate_hf
+
+    args = argparse.Namespace(
+        cpu_smoke=True,
+        layers=generate_hf.SMOKE_LAYERS,
+        prompt=generate_hf.SMOKE_PROMPT,
+        new_tokens=2,
+        repeats=0,
+        variants=["hcpasses_cudagraphs"],
+    )
+    with generate_hf.eager_kernels_under_compile():
+        case = generate_hf.run_case(1, args, torch.device("cpu"))
+    assert "hcpasses" not in case and case["hcpasses_cudagraphs"]["tokens_equal"], case
+    assert case["eager"]["tokens"] == case["hcpasses_cudagraphs"]["tokens"]
+
+
+def test_an_unknown_variant_is_refused_naming_the_valid_ones() -> None:
+    command = [sys.executable, "benchmarks/generate_hf.py", "--cpu-smoke", "--variants", "hcpasses,fast", "--out", "x"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--variants hcpasses,fast: choose among hcpasses, hcpasses_cudagraphs" in done.stderr
