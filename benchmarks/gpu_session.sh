@@ -9,6 +9,7 @@
 #                                               # module), then qwen4_exp bf16 tp 8 per kernel
 #     bash benchmarks/gpu_session.sh scans-quick  # blocked_scans' GPU tests, the copy at two lengths, the module once
 #     bash benchmarks/gpu_session.sh generate   # generate() at real size: deepseek_v4 tp 8 (simulated), then tp 1
+#                                               # (GENERATE_TP=1 or 8: one of them, for a short device call)
 #
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
 set -uo pipefail
