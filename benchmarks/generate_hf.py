@@ -185,7 +185,7 @@ def progress(case: dict[str, Any], name: str) -> None:
 
 def summary(case: dict[str, Any]) -> str:
     parts = [f"tp {case['tp']}"]
-    for name in ("eager", "hcpasses", "hcpasses_cudagraphs"):
+    for name in ("eager", *VARIANTS):
         row = case.get(name)
         if row is None:
             continue

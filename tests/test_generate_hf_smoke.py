@@ -4,10 +4,12 @@ step is, and each run records its timings and graphs (issue #27 item 6; the real
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,12 +41,22 @@ def test_cpu_smoke_generates_eagers_tokens_and_shards_only_the_prefill(tmp_path:
     assert one["eager"]["tokens"] == one["hcpasses"]["tokens"] and "graphs" not in one["eager"]
 
 
+def smoke_args(generate_hf: Any, variants: list[str]) -> argparse.Namespace:
+    """``generate_hf.py --cpu-smoke``'s arguments for ``run_case``: the tiny model, 2 new tokens, no repeats."""
+    return argparse.Namespace(
+        cpu_smoke=True,
+        layers=generate_hf.SMOKE_LAYERS,
+        prompt=generate_hf.SMOKE_PROMPT,
+        new_tokens=2,
+        repeats=0,
+        variants=variants,
+    )
+
+
 @pytest.mark.thorough  # the tiny model through generate() three times: CI, not the quick local run
 def test_a_variant_that_fails_keeps_the_other_variants_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A variant's error (as the CUDA-graph one of deepseek_v4's cache on the GPU) is its own row: the case keeps
     eager's and the plain backend's rows and their verdicts, and the summary names the error."""
-    import argparse
-
     import torch
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # benchmarks/ is not a package
@@ -60,14 +72,7 @@ def test_a_variant_that_fails_keeps_the_other_variants_rows(monkeypatch: pytest.
         return real_run(*args)
 
     monkeypatch.setattr(generate_hf, "run_generate", third_run_fails)
-    args = argparse.Namespace(
-        cpu_smoke=True,
-        layers=generate_hf.SMOKE_LAYERS,
-        prompt=generate_hf.SMOKE_PROMPT,
-        new_tokens=2,
-        repeats=0,
-        variants=list(generate_hf.VARIANTS),
-    )
+    args = smoke_args(generate_hf, list(generate_hf.VARIANTS))
     with generate_hf.eager_kernels_under_compile():
         case = generate_hf.run_case(1, args, torch.device("cpu"))
     assert len(runs) == 3 and runs[0] is None
@@ -81,21 +86,12 @@ def test_a_variant_that_fails_keeps_the_other_variants_rows(monkeypatch: pytest.
 @pytest.mark.thorough  # the tiny model through generate() twice
 def test_variants_runs_only_the_compiled_variants_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--variants hcpasses_cudagraphs``: eager (the reference at tp 1) and that variant run, the other does not."""
-    import argparse
-
     import torch
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # benchmarks/ is not a package
     import generate_hf
 
-    args = argparse.Namespace(
-        cpu_smoke=True,
-        layers=generate_hf.SMOKE_LAYERS,
-        prompt=generate_hf.SMOKE_PROMPT,
-        new_tokens=2,
-        repeats=0,
-        variants=["hcpasses_cudagraphs"],
-    )
+    args = smoke_args(generate_hf, ["hcpasses_cudagraphs"])
     with generate_hf.eager_kernels_under_compile():
         case = generate_hf.run_case(1, args, torch.device("cpu"))
     assert "hcpasses" not in case and case["hcpasses_cudagraphs"]["tokens_equal"], case
