@@ -25,7 +25,9 @@ Per run: the wall seconds of the whole ``generate`` (first call: compiles includ
 ``--repeats`` more calls: the median), the prefill's and the decode steps' wall ms in the last repeat (a wrapper
 of ``model.forward`` times each call, CUDA synchronised; none without repeats), the token count of each forward,
 the graphs compiled (Dynamo's ``unique_graphs``), Inductor's cudagraph skips (``counters``), and the hcpasses
-reports of every graph.
+reports of every graph. With ``cudagraphs=True`` Inductor's CUDA-graph trees warm each graph up on its first call,
+record it on the second and replay it from the third: the first repeat times recordings, so ``--repeats`` must be
+at least 2 for the decode steps to be replays.
 """
 
 from __future__ import annotations
@@ -208,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=None, help=f"prompt tokens (default {GPU_PROMPT})")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {GPU_LAYERS})")
-    parser.add_argument("--repeats", type=int, default=2, help="generate calls after the first")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="generate calls after the first (>= 2 to time replayed CUDA graphs)"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"compiled variants, of {', '.join(VARIANTS)}")
     args = parser.parse_args(argv)
     args.variants = args.variants.split(",")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU checks (H200, torch 2.11): the GPU test files, then the prefill runs whose numbers
+# One device call's worth of GPU checks (H200 or H100, torch 2.11): the GPU test files, then the prefill runs whose numbers
 # docs/BENCHMARKS.md waits for. Run from the repository root on the device machine with `.whl` carried
 # (DESIGN §10: transformers, flash-linear-attention, fla-core, einops wheels), results under $OUT:
 #
@@ -24,6 +24,8 @@ install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-
 [ -d /tmp/site_fla ] || $install --target /tmp/site_fla .whl/fla_core*.whl .whl/flash_linear*.whl .whl/einops*.whl
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+# the result files name the GPU the call got (an H100 may serve a call for an H200)
+gpu=$(python3 -c "import torch; print('h200' if 'H200' in torch.cuda.get_device_name() else 'h100')")
 git log --oneline -1 2>/dev/null || true
 
 case "${1:-}" in
@@ -39,34 +41,36 @@ tests)
 prefill)
     bench="python3 benchmarks/prefill_hf.py --tokens 16384 --warmup 1 --repeats 3 --out $out"
     PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 170 $bench --models deepseek_v4 --dtypes bf16 --tp 8 \
-        --variants sp_off,hcpasses_sp --tag ds2_prologue_tp8_h200 2>&1 | tee "$out/ds.log" | grep -E "^(deep|case)"
+        --variants sp_off,hcpasses_sp --tag ds2_prologue_tp8_$gpu 2>&1 | tee "$out/ds.log" | grep -E "^(deep|case)"
     PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 200 $bench --models qwen4_exp --layers 3 --dtypes fp8 \
-        --tp 4 --variants sp_off,hcpasses_sp,handwritten_sp --tag q3_fp8_tp4_host_h200 2>&1 | tee "$out/q.log" \
+        --tp 4 --variants sp_off,hcpasses_sp,handwritten_sp --tag q3_fp8_tp4_host_$gpu 2>&1 | tee "$out/q.log" \
         | grep -E "^(qwen|case)"
     ;;
 scans)
-    PYTHONPATH=/tmp/site:. timeout 150 python3 benchmarks/blocked_scans.py --out "$out/blocked_scans_h200.json" 2>&1 \
+    PYTHONPATH=/tmp/site:. timeout 150 python3 benchmarks/blocked_scans.py --out "$out/blocked_scans_$gpu.json" 2>&1 \
         | tee "$out/scans.log" | grep -E "^\["
     PYTHONPATH=/tmp/site:. timeout 120 python3 benchmarks/blocked_scans.py --source ngram --cases 1x16384,1x65536 \
-        --out "$out/blocked_scans_ngram_h200.json" 2>&1 | tee "$out/scans_ngram.log" | grep -E "^\["
+        --out "$out/blocked_scans_ngram_$gpu.json" 2>&1 | tee "$out/scans_ngram.log" | grep -E "^\["
     bench="python3 benchmarks/prefill_hf.py --tokens 16384 --warmup 1 --repeats 10 --out $out"
     PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 300 $bench --models qwen4_exp --layers 3 --dtypes bf16 \
-        --tp 8 --variants handwritten_sp,hcpasses_sp --tag q3_bf16_tp8_scans_h200 2>&1 | tee "$out/q.log" \
+        --tp 8 --variants handwritten_sp,hcpasses_sp --tag q3_bf16_tp8_scans_$gpu 2>&1 | tee "$out/q.log" \
         | grep -E "^(qwen|case)"
     ;;
 scans-quick)
     PYTHONPATH=/tmp/site:.:tests timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_blocked_scans.py \
         -k "cuda or inductor_may_split" 2>&1 | tee "$out/scans_tests.log" | tail -6
     PYTHONPATH=/tmp/site:. timeout 100 python3 benchmarks/blocked_scans.py --cases 1x16384,1x65536,8x2048 --repeats 10 \
-        --warmup 2 --out "$out/blocked_scans_h200.json" 2>&1 | tee "$out/scans.log" | grep -E "^\["
+        --warmup 2 --out "$out/blocked_scans_$gpu.json" 2>&1 | tee "$out/scans.log" | grep -E "^\["
     # transformers' own n-gram module: which level of its blocked scan still runs in ATen in the real model
     PYTHONPATH=/tmp/site:. timeout 120 python3 benchmarks/blocked_scans.py --source ngram --cases 1x16384 --repeats 10 \
-        --warmup 2 --out "$out/blocked_scans_ngram_h200.json" 2>&1 | tee "$out/scans_ngram.log" | grep -E "^\["
+        --warmup 2 --out "$out/blocked_scans_ngram_$gpu.json" 2>&1 | tee "$out/scans_ngram.log" | grep -E "^\["
     ;;
 generate)
+    # 3 repeats: a CUDA-graph tree warms a graph up on its first call, records it on the second and replays it from
+    # the third; with 1 repeat the decode steps timed are the recordings (12.7 ms a step at tp 8, 1.7 replayed)
     for tp in ${GENERATE_TP:-8 1}; do  # GENERATE_TP=1: one tp per device call when time is short
-        PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 290 python3 benchmarks/generate_hf.py --tp $tp --repeats 1 \
-            --new-tokens 4 --out "$out/generate_hf_tp${tp}_h200.json" 2>&1 | tee "$out/generate_tp$tp.log" | tail -2
+        PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 290 python3 benchmarks/generate_hf.py --tp $tp --repeats 3 \
+            --new-tokens 4 --out "$out/generate_hf_tp${tp}_$gpu.json" 2>&1 | tee "$out/generate_tp$tp.log" | tail -2
     done
     ;;
 esac
