@@ -10,12 +10,14 @@
 #     bash benchmarks/gpu_session.sh scans-quick  # blocked_scans' GPU tests, the copy at two lengths, the module once
 #     bash benchmarks/gpu_session.sh generate   # generate() at real size: deepseek_v4 tp 8 (simulated), then tp 1
 #                                               # (GENERATE_TP=1 or 8: one of them, for a short device call)
+#     bash benchmarks/gpu_session.sh bench      # the benchmark model's three variants at simulated tp 2, 4, 8,
+#                                               # T = 16384 and 65536 (BENCH_TP=8: one tp, for a short device call)
 #
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
 set -uo pipefail
 out=${OUT:?set OUT to the folder the results go to}
-case "${1:-}" in tests | prefill | scans | scans-quick | generate) ;; *)
-    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans|scans-quick|generate" >&2
+case "${1:-}" in tests | prefill | scans | scans-quick | generate | bench) ;; *)
+    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans|scans-quick|generate|bench" >&2
     exit 2
     ;;
 esac
@@ -71,6 +73,13 @@ generate)
     for tp in ${GENERATE_TP:-8 1}; do  # GENERATE_TP=1: one tp per device call when time is short
         PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 290 python3 benchmarks/generate_hf.py --tp $tp --repeats 3 \
             --new-tokens 4 --out "$out/generate_hf_tp${tp}_$gpu.json" 2>&1 | tee "$out/generate_tp$tp.log" | tail -2
+    done
+    ;;
+bench)
+    # issue #27's first goal: hcpasses >= the hand-written SP in per-rank compute at tp 2, 4, 8 for T >= 16384
+    for tp in ${BENCH_TP:-2 4 8}; do
+        PYTHONPATH=.:benchmarks timeout 500 python3 benchmarks/prefill_sp.py --simulate --tp $tp \
+            --points 1024x16,1024x64 --layers 4 --dynamic --out "$out" 2>&1 | tee "$out/bench_tp$tp.log" | tail -8
     done
     ;;
 esac

@@ -82,3 +82,36 @@ def test_sharded_sizes_give_each_rank_its_rows_with_the_same_factors() -> None:
     assert Layout(1, 2).sharded_sizes([4, T, 32], rows) == [4, rows, 32]
     assert Layout(0, 2).sharded_sizes([3, 3, -1], rows) == [1, rows, -1]
     assert Layout(0, 1, outer=2, inner=3).sharded_sizes([6 * T, 8], rows) == [6 * rows, 8]
+
+
+def backed_size(env: ShapeEnv, name: str, hint: int) -> torch.SymInt:
+    """A size symbol with an example value, as Dynamo makes for a dynamic dim: comparing it adds guards."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    symbol = env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+    return env.create_symintnode(symbol, hint=hint)
+
+
+def test_rows_split_into_sequences_and_merged_again_are_the_tokens_where_a_guard_says_so() -> None:
+    # x.unflatten(0, (seqs, T // seqs)).flatten(0, 1) has seqs*(T//seqs) rows: sympy alone cannot cancel that with
+    # T, but Dynamo guarded Eq(T, seqs*(T//seqs)) when it traced the unflatten, and the shape env knows it
+    unguarded = ShapeEnv()  # its own env: the shape env caches what it could not prove
+    tokens, seqs = backed_size(unguarded, "T", 15), backed_size(unguarded, "seqs", 3)
+    assert reshaped_layout(Layout(0, 1), [tokens, 8], [seqs * (tokens // seqs), 8], tokens) is None  # not proven
+    env = ShapeEnv()
+    tokens, seqs = backed_size(env, "T", 15), backed_size(env, "seqs", 3)
+    rows = seqs * (tokens // seqs)
+    assert bool(rows == tokens)  # what Dynamo's trace of the unflatten records
+    assert reshaped_layout(Layout(0, 1), [tokens, 8], [rows, 8], tokens) == Layout(0, 1)
+    assert reshaped_layout(Layout(0, 1), [tokens, 8], [rows * 4, 2], tokens) == Layout(0, 1, inner=4)
+    assert reshaped_layout(Layout(0, 1), [tokens, 8], [tokens // seqs, 8 * seqs], tokens) == Layout(0, 2, inner=8)
+    # read as exact, other floor divisions give the same candidate, 1; no guard proves it, so it is refused
+    heads = backed_size(env, "heads", 5)
+    assert reshaped_layout(Layout(0, 1), [tokens, 8], [heads * (tokens // heads), 8], tokens) is None
+
+
+def test_floor_divided_rows_without_a_guard_are_not_the_tokens() -> None:
+    env = ShapeEnv()
+    tokens, seqs = env.create_unbacked_symint(), env.create_unbacked_symint()
+    assert reshaped_layout(Layout(0, 1), [tokens, 8], [seqs * (tokens // seqs), 8], tokens) is None

@@ -568,4 +568,22 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_blocked_scans.py",),
         k="indices",
     ),
+    Mutant(
+        name="token_rows_floor_quotient_unproven",
+        fault="a reshape's floor-divided rows are taken for the tokens without the shape env's proof",
+        file="hcpasses/passes/sp_rewrite/tokens.py",
+        old="""candidate > 0 and statically_known_true(size == int(candidate) * divisor):""",
+        new="""candidate > 0:""",
+        tests=("tests/test_sp_layouts.py",),
+        k="guard",
+    ),
+    Mutant(
+        name="token_rows_floor_quotient_ignored",
+        fault="rows seqs*(T//seqs) from a sequence view are never the tokens (the region is cut at every write-back)",
+        file="hcpasses/passes/sp_rewrite/tokens.py",
+        old="""    if candidate.is_Integer and candidate > 0""",
+        new="""    if False and candidate.is_Integer and candidate > 0""",
+        tests=("tests/test_sp_seq_split.py",),
+        k="one_region",
+    ),
 )

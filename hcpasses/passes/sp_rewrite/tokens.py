@@ -19,6 +19,7 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._sympy.functions import FloorDiv
 
 from hcpasses.passes.sp_rewrite.verdict import NotShardable
 from hcpasses.patterns.collapse import FoundCollapse
@@ -138,7 +139,15 @@ def _static_quotient(size: Any, divisor: Any) -> int | None:
     if isinstance(size, int) and isinstance(divisor, int):
         return size // divisor if size % divisor == 0 else None
     quotient = _expr(size) / _expr(divisor)  # sympy cancels common factors: (32*s0) / s0 is 32
-    return int(quotient) if quotient.is_Integer and quotient > 0 else None
+    if quotient.is_Integer:
+        return int(quotient) if quotient > 0 else None
+    # A reshape to (seqs, T // seqs) makes rows s1*(s0//s1) that sympy cannot cancel with s0. Read floor
+    # divisions as exact ones to find a candidate, then let the shape env prove it from what Dynamo guarded
+    # (Eq(s0, s1*(s0//s1)) when it traced the reshape): a wrong candidate is refused, and no guard is added.
+    candidate = quotient.replace(lambda e: isinstance(e, FloorDiv), lambda e: e.args[0] / e.args[1])
+    if candidate.is_Integer and candidate > 0 and statically_known_true(size == int(candidate) * divisor):
+        return int(candidate)
+    return None
 
 
 def _expr(size: Any) -> Any:
