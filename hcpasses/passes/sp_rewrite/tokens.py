@@ -144,6 +144,7 @@ def _static_quotient(size: Any, divisor: Any) -> int | None:
     # A reshape to (seqs, T // seqs) makes rows s1*(s0//s1) that sympy cannot cancel with s0. Read floor
     # divisions as exact ones to find a candidate, then let the shape env prove it from what Dynamo guarded
     # (Eq(s0, s1*(s0//s1)) when it traced the reshape): a wrong candidate is refused, and no guard is added.
+    # FloorDiv is torch's internal sympy class for //, the same in 2.11 and 2.13; tests/test_sp_layouts.py pins it.
     candidate = quotient.replace(lambda e: isinstance(e, FloorDiv), lambda e: e.args[0] / e.args[1])
     if candidate.is_Integer and candidate > 0 and statically_known_true(size == int(candidate) * divisor):
         return int(candidate)
