@@ -19,7 +19,7 @@ from harness.reference import (
     fused_op_count,
 )
 from harness.tally import CheckedGraphs
-from harness.toy import BatchedHCModel
+from harness.toy import BatchedHCModel, with_sizes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -63,22 +63,10 @@ def captured_at(case: tuple, static_shape: tuple[int, int] | None) -> RankGraphs
     )
 
 
-def with_ids(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor) -> list[Any]:
-    """The captured inputs with the ids and the symbolic batch / seq sizes replaced."""
-    sizes = dict(zip(EXAMPLE, ids.shape, strict=True))
-    values = []
-    for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True):
-        if isinstance(node.meta["val"], torch.SymInt):
-            value = sizes[value]
-        elif isinstance(value, torch.Tensor) and not value.is_floating_point():
-            value = ids
-        values.append(value)
-    return values
-
-
 def run(graphs: RankGraphs, ids: torch.Tensor) -> list[list[torch.Tensor]]:
     ranks = range(len(graphs.graphs))
-    return simulate(graphs.graphs, [with_ids(graphs.inputs[r], graphs.graphs[r], ids) for r in ranks])
+    sizes = dict(zip(EXAMPLE, ids.shape, strict=True))  # the symbolic batch / seq sizes
+    return simulate(graphs.graphs, [with_sizes(graphs.inputs[r], graphs.graphs[r], ids, sizes) for r in ranks])
 
 
 @st.composite

@@ -11,53 +11,21 @@ env and keep one region, not cut it at every write-back and gather the whole str
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from harness import simulate
 from harness.reference import RankGraphs, assert_same_as_sp_off, capture_with_passes, collective_counts
 from harness.tally import CheckedGraphs
+from harness.toy import SequencesHCModel, with_sizes
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 
 from hcpasses.config import HCPassesConfig
 from hcpasses.testing.models import HCConfig
 
 EXAMPLE = (3, 5)  # (seqs, tokens per sequence): T = 15; sizes that the drawn shapes map from (distinct values)
 LAYERS = 2
-
-
-class SequencesHCModel(nn.Module):
-    """HC blocks around TP MLPs, ``ids [T], seqs -> logits [T, vocab]``; each MLP's input first adds to every
-    token half its predecessor in the same sequence, through ``unflatten(0, (seqs, T // seqs))`` and back."""
-
-    def __init__(self, cfg: HCConfig) -> None:
-        from hcpasses.testing.models.decoder import MLP
-        from hcpasses.testing.models.hc import FinalMixer, HyperConnection
-        from hcpasses.testing.models.tp import replicated_parameter
-
-        super().__init__()
-        self.cfg = cfg
-        self.embed = replicated_parameter(cfg.seed, "embed", (cfg.vocab_size, cfg.hidden), 1.0, cfg.dtype)
-        self.blocks = nn.ModuleList(
-            nn.ModuleList([HyperConnection(cfg, name=f"hc.{i}"), MLP(cfg, name=f"mlp.{i}", tp_rank=None, tp_size=None)])
-            for i in range(2 * cfg.n_layers)
-        )
-        self.final_mixer = FinalMixer(cfg, name="final_mixer")
-        self.lm_head = replicated_parameter(cfg.seed, "lm_head", (cfg.vocab_size, cfg.hidden), 0.2, cfg.dtype)
-
-    def forward(self, ids: torch.Tensor, seqs: int) -> torch.Tensor:
-        tokens = ids.shape[0]
-        h = F.embedding(ids, self.embed).repeat(1, self.cfg.n_streams)
-        for hc, mlp in self.blocks:
-            x, logits = hc.mix(h)
-            per_seq = x.unflatten(0, (seqs, tokens // seqs))
-            per_seq = per_seq + 0.5 * F.pad(per_seq, (0, 0, 1, 0))[:, :-1]
-            h = hc.combine(h, mlp(per_seq.flatten(0, 1)), logits)
-        return F.linear(self.final_mixer(h), self.lm_head)
 
 
 def model_config() -> HCConfig:
@@ -79,22 +47,10 @@ def captured(tp: int) -> RankGraphs:
     )
 
 
-def with_shape(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor, seqs: int) -> list[Any]:
-    """The captured inputs with the ids, and the symbolic sizes T and seqs, replaced."""
-    sizes = {EXAMPLE[0] * EXAMPLE[1]: ids.shape[0], EXAMPLE[0]: seqs}
-    values = []
-    for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True):
-        if isinstance(node.meta["val"], torch.SymInt):
-            value = sizes[value]
-        elif isinstance(value, torch.Tensor) and not value.is_floating_point():
-            value = ids
-        values.append(value)
-    return values
-
-
 def run(graphs: RankGraphs, ids: torch.Tensor, seqs: int) -> list[list[torch.Tensor]]:
     ranks = range(len(graphs.graphs))
-    return simulate(graphs.graphs, [with_shape(graphs.inputs[r], graphs.graphs[r], ids, seqs) for r in ranks])
+    sizes = {EXAMPLE[0] * EXAMPLE[1]: ids.shape[0], EXAMPLE[0]: seqs}  # the symbolic T and seqs
+    return simulate(graphs.graphs, [with_sizes(graphs.inputs[r], graphs.graphs[r], ids, sizes) for r in ranks])
 
 
 @pytest.mark.parametrize("tp", [2, 3])

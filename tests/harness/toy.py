@@ -121,7 +121,27 @@ def eager_outputs(rank: int, tp: int, jobs: Sequence[Job]) -> dict[str, Any]:
     return results
 
 
-class BatchedHCModel(nn.Module):
+class HCStack(nn.Module):
+    """The parts of the HC test models below: an embedding, ``2 * n_layers`` pairs of an HC block and a TP MLP, the
+    final mixer and an LM head, all from ``cfg``'s seed (the TP rank and size from the default group)."""
+
+    def __init__(self, cfg: Any) -> None:
+        from hcpasses.testing.models.decoder import MLP
+        from hcpasses.testing.models.hc import FinalMixer, HyperConnection
+        from hcpasses.testing.models.tp import replicated_parameter
+
+        super().__init__()
+        self.cfg = cfg
+        self.embed = replicated_parameter(cfg.seed, "embed", (cfg.vocab_size, cfg.hidden), 1.0, cfg.dtype)
+        self.blocks = nn.ModuleList(
+            nn.ModuleList([HyperConnection(cfg, name=f"hc.{i}"), MLP(cfg, name=f"mlp.{i}", tp_rank=None, tp_size=None)])
+            for i in range(2 * cfg.n_layers)
+        )
+        self.final_mixer = FinalMixer(cfg, name="final_mixer")
+        self.lm_head = replicated_parameter(cfg.seed, "lm_head", (cfg.vocab_size, cfg.hidden), 0.2, cfg.dtype)
+
+
+class BatchedHCModel(HCStack):
     """HC blocks around TP MLPs in the transformers layout: ``ids [batch, seq] -> logits [batch, seq, vocab]``.
 
     Streams are ``[batch, seq, n*S]``. Layer ``seq_mix_layer`` starts by adding each token's predecessor
@@ -130,19 +150,8 @@ class BatchedHCModel(nn.Module):
     """
 
     def __init__(self, cfg: Any, seq_mix_layer: int | None = None, return_state: bool = False) -> None:
-        from hcpasses.testing.models.decoder import MLP
-        from hcpasses.testing.models.hc import FinalMixer, HyperConnection
-        from hcpasses.testing.models.tp import replicated_parameter
-
-        super().__init__()
-        self.cfg, self.seq_mix_layer, self.return_state = cfg, seq_mix_layer, return_state
-        self.embed = replicated_parameter(cfg.seed, "embed", (cfg.vocab_size, cfg.hidden), 1.0, cfg.dtype)
-        self.blocks = nn.ModuleList(
-            nn.ModuleList([HyperConnection(cfg, name=f"hc.{i}"), MLP(cfg, name=f"mlp.{i}", tp_rank=None, tp_size=None)])
-            for i in range(2 * cfg.n_layers)
-        )
-        self.final_mixer = FinalMixer(cfg, name="final_mixer")
-        self.lm_head = replicated_parameter(cfg.seed, "lm_head", (cfg.vocab_size, cfg.hidden), 0.2, cfg.dtype)
+        super().__init__(cfg)
+        self.seq_mix_layer, self.return_state = seq_mix_layer, return_state
 
     def forward(self, ids: torch.Tensor) -> Any:
         h = F.embedding(ids, self.embed).repeat(1, 1, self.cfg.n_streams)
@@ -153,3 +162,33 @@ class BatchedHCModel(nn.Module):
             h = hc.combine(h, mlp(x), logits)
         out = F.linear(self.final_mixer(h), self.lm_head)
         return (out, h) if self.return_state else out
+
+
+class SequencesHCModel(HCStack):
+    """HC blocks around TP MLPs in the vLLM layout, ``ids [T], seqs -> logits [T, vocab]``: T rows of ``seqs`` equal
+    sequences. Each MLP's input first adds to every token half its predecessor in the same sequence, through
+    ``unflatten(0, (seqs, T // seqs))`` and back (under symbolic sizes the MLP's output has ``seqs*(T//seqs)`` rows).
+    """
+
+    def forward(self, ids: torch.Tensor, seqs: int) -> torch.Tensor:
+        tokens = ids.shape[0]
+        h = F.embedding(ids, self.embed).repeat(1, self.cfg.n_streams)
+        for hc, mlp in self.blocks:
+            x, logits = hc.mix(h)
+            per_seq = x.unflatten(0, (seqs, tokens // seqs))
+            per_seq = per_seq + 0.5 * F.pad(per_seq, (0, 0, 1, 0))[:, :-1]
+            h = hc.combine(h, mlp(per_seq.flatten(0, 1)), logits)
+        return F.linear(self.final_mixer(h), self.lm_head)
+
+
+def with_sizes(inputs: list[Any], gm: torch.fx.GraphModule, ids: torch.Tensor, sizes: dict[int, int]) -> list[Any]:
+    """A dynamic capture's inputs for other ids: the integer tensor input replaced by ``ids``, and each symbolic
+    size by ``sizes[its captured value]`` (capture with example sizes that differ from each other)."""
+    values = []
+    for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True):
+        if isinstance(node.meta["val"], torch.SymInt):
+            value = sizes[value]
+        elif isinstance(value, torch.Tensor) and not value.is_floating_point():
+            value = ids
+        values.append(value)
+    return values
