@@ -572,7 +572,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="token_rows_floor_quotient_unproven",
         fault="a reshape's floor-divided rows are taken for the tokens without the shape env's proof",
         file="hcpasses/passes/sp_rewrite/tokens.py",
-        old="""candidate > 0 and statically_known_true(size == int(candidate) * divisor):""",
+        old="""candidate > 0 and same_size(size, int(candidate) * divisor):""",
         new="""candidate > 0:""",
         tests=("tests/test_sp_layouts.py",),
         k="guard",

@@ -146,7 +146,7 @@ def _static_quotient(size: Any, divisor: Any) -> int | None:
     # (Eq(s0, s1*(s0//s1)) when it traced the reshape): a wrong candidate is refused, and no guard is added.
     # FloorDiv is torch's internal sympy class for //, the same in 2.11 and 2.13; tests/test_sp_layouts.py pins it.
     candidate = quotient.replace(lambda e: isinstance(e, FloorDiv), lambda e: e.args[0] / e.args[1])
-    if candidate.is_Integer and candidate > 0 and statically_known_true(size == int(candidate) * divisor):
+    if candidate.is_Integer and candidate > 0 and same_size(size, int(candidate) * divisor):
         return int(candidate)
     return None
 
