@@ -36,6 +36,14 @@ SCOPES: dict[str, dict[str, list[str]]] = {
         "only_mutate": ["hcpasses/passes/canonical_forms.py", "hcpasses/passes/sp_rewrite/region.py"],
         "pytest_add_cli_args_test_selection": ["tests/test_canonical.py", "tests/test_sp_parts.py"],
     },
+    "tokens": {
+        "only_mutate": ["hcpasses/passes/sp_rewrite/tokens.py"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_sp_layouts.py",
+            "tests/test_sp_seq_split.py",
+            "tests/test_sp_parts.py",
+        ],
+    },
     "scans": {
         "only_mutate": ["hcpasses/passes/blocked_scans.py"],
         # mutmut's copy holds hcpasses/ and tests/ only: the benchmark's tests have no script to run or import there
