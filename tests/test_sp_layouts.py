@@ -1,5 +1,6 @@
 """Where a value holds its token rows (``sp_rewrite.tokens.Layout``) and how a reshape regroups them: the
-promises of ``Layout``, ``normalized`` and ``reshaped_layout``, with static and symbolic token counts."""
+promises of ``Layout``, ``normalized``, ``reshaped_layout``, ``leading_layout``, ``resolve_size`` and
+``first_tensor``, with static and symbolic token counts (``mutmut_score.py --scope tokens`` judges them)."""
 
 from __future__ import annotations
 
