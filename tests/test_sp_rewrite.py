@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -292,6 +293,50 @@ def test_an_even_static_token_count_shards_by_a_slice(tokens: int, by_op: bool, 
         assert_same_as_sp_off(got, want, eager=expected)
         for value, reference in zip(got, expected, strict=True):
             torch.testing.assert_close(value, reference, rtol=1e-4, atol=1e-4)
+    checked_graphs.add(sharded)
+
+
+def shard_of_start(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, torch.fx.Node]:
+    """A copy of ``gm`` that returns (the value its SP region shards, that shard): the graph up to the indexed read
+    of the start, with no collective in it, so that one rank runs it alone."""
+    part = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    (read,) = [n for n in part.graph.nodes if n.target is torch.ops.aten.index.Tensor]
+    (shard,) = [n for n in read.users if n.target is torch.ops.aten.where.self]
+    part.graph.erase_node(part.graph.output_node())
+    part.graph.output((read.args[0], shard))
+    needed, stack = set(), [read.args[0], shard]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in reversed(list(part.graph.nodes)):  # not dead-code elimination: it keeps the (impure) collectives
+        if node.op != "output" and node not in needed and node.op != "placeholder":
+            part.graph.erase_node(node)
+    part.recompile()
+    return part, shard
+
+
+def test_a_symbolic_token_count_shards_by_an_indexed_read(checked_graphs: CheckedGraphs) -> None:
+    """Symbolic T: each rank reads its rows of the replicated streams by index, which Inductor computes for those
+    rows alone when the value is pointwise (the embedding), not by the ``shard_rows`` op (opaque to Inductor: the
+    value is computed for all T rows, then copied). At a ragged T each rank's shard is its block of rows, the last
+    rank's pad rows zero, and every rank's values are SP off's and eager's."""
+    case = Case(tp=3, layers=2, ple="none", mtp=False, dtype=torch.float32, fp8=False, dynamic=True)
+    sharded = captured(case, 7)
+    ids = torch.randint(0, 64, (13,), generator=torch.Generator().manual_seed(11))
+    rows = 5  # ceil(13 / 3): the last rank holds rows 10..12 and two pad rows
+    for rank, gm in enumerate(sharded.graphs):
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.hcpasses.shard_rows.default], gm.code
+        part, _ = shard_of_start(gm)
+        full, shard = part(*with_tokens(sharded.inputs[rank], gm, ids))
+        block = full.flatten(0, -2)[rank * rows : (rank + 1) * rows]
+        assert shard.shape[0] == rows
+        torch.testing.assert_close(shard[: block.shape[0]], block, rtol=0, atol=0)
+        assert shard[block.shape[0] :].eq(0).all() and (rank < 2 or block.shape[0] == 3)
+    with torch.no_grad():
+        expected = reference_model(case.config())(ids)
+    assert_exact_at(sharded, ids, expected)
     checked_graphs.add(sharded)
 
 

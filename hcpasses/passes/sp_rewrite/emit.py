@@ -2,7 +2,8 @@
 resolved there, so the emitters only insert nodes and rewire uses; a rewrite that starts always finishes.
 
 The start and the values read row for row from outside (entries) are sharded (a slice where a static N splits
-evenly, else ``hcpasses::shard_rows``, which pads the last rank's rows), each all-reduce becomes pad +
+evenly, an indexed read where N is symbolic, else ``hcpasses::shard_rows``; the last two pad the last rank's rows
+with zeros), each all-reduce becomes pad +
 reduce-scatter, size arguments of reshapes take a shard's token dims (``Layout.sharded_sizes``), a token window's
 front zero pad becomes the rows of the ranks before (one small all-gather of every rank's last rows), slices that
 kept every row are dropped, and every exit is all-gathered (FP8 as bytes; as FP8 with ``overlap``) and trimmed to
@@ -116,18 +117,41 @@ class _Emitter:
 
     def _shard(self, value: fx.Node) -> fx.Node:
         """This rank's token rows of a full-size (replicated) value: a slice where a static N splits evenly (a view,
-        which Inductor fuses into its readers), else ``shard_rows`` (it pads the last rank's rows with zeros)."""
+        which Inductor fuses into its readers); an indexed read where N is symbolic (``_read_rows``); else
+        ``shard_rows`` (a copy that pads the last rank's rows with zeros)."""
         k = self.region.dims[value]
         rest = list(value_of(value).shape[k:])
-        even = isinstance(self.tokens, int) and pad_rows(self.tokens, self.tp) == 0
-        if not even or not all(isinstance(size, int) for size in rest):
+        if not all(isinstance(size, int) for size in rest):
             return self.graph.call_function(SHARD_ROWS, (value, self.rank, self.tp, k))
         flat = self._flatten_tokens(value, k, rest)
-        begin = self.rank * self.rows
-        rows = self.graph.call_function(aten.slice.Tensor, (flat, 0, begin, begin + self.rows))
+        if isinstance(self.tokens, int) and pad_rows(self.tokens, self.tp) == 0:
+            begin = self.rank * self.rows
+            rows = self.graph.call_function(aten.slice.Tensor, (flat, 0, begin, begin + self.rows))
+        elif isinstance(self.tokens, int):
+            return self.graph.call_function(SHARD_ROWS, (value, self.rank, self.tp, k))
+        else:
+            rows = self._read_rows(flat, value_of(value), len(rest))
         if k == 1:
             return rows
         return self.graph.call_function(aten.reshape.default, (rows, [*shard_token_sizes(self.rows, k), *rest]))
+
+    def _read_rows(self, flat: fx.Node, val: torch.Tensor, ndim_rest: int) -> fx.Node:
+        """Rows ``[rank*R, (rank+1)*R)`` of ``flat [N, ...]`` for a symbolic N, the pad rows past N zero, as
+        ``where(row < N, flat[row if row < N else 0], 0)``.
+
+        Not ``shard_rows``: Inductor cannot see into a custom op, so the value it shards (the embedding, in most
+        models) was computed for all N rows, then copied; an indexed read of a pointwise value is computed for this
+        rank's R rows alone. Not slice + pad either: a slice whose end is symbolic makes Inductor guard on the
+        clamp, and the pass adds no guards (``tokens``). ``val`` is the replicated value (for its dtype and device),
+        ``ndim_rest`` the number of dims after its token dims."""
+        call = self.graph.call_function
+        begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
+        row = self._iota(self.rows, val.device, begin)
+        inside = call(aten.lt.Scalar, (row, self.tokens))
+        read = call(aten.index.Tensor, (flat, [call(aten.mul.Tensor, (row, inside))]))  # rows past N read row 0
+        mask = call(aten.reshape.default, (inside, [-1, *([1] * ndim_rest)]))
+        zero = call(aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device})
+        return call(aten.where.self, (mask, read, zero))
 
     def _window(self, halo: Halo) -> None:
         """``pad(x, rows zeros in front of dim)`` -> ``cat([the rows before this rank's, x], dim)``.
@@ -297,7 +321,7 @@ class _Emitter:
             index = steps
         return index
 
-    def _iota(self, count: int, device: torch.device, start: Any = 0, step: Any = 1) -> fx.Node:
+    def _iota(self, count: Any, device: torch.device, start: Any = 0, step: Any = 1) -> fx.Node:
         """``start + step * arange(count)``, int64: ``prims.iota``, which Inductor lowers (``aten.arange``, like
         ``aten.clamp`` and ``aten.index_select``, it expects decomposed before the post-grad passes: none of them may
         be emitted here)."""
