@@ -11,7 +11,8 @@
 #     bash benchmarks/gpu_session.sh generate   # generate() at real size: deepseek_v4 tp 8 (simulated), then tp 1
 #                                               # (GENERATE_TP=1 or 8: one of them, for a short device call)
 #     bash benchmarks/gpu_session.sh bench      # the benchmark model's three variants at simulated tp 2, 4, 8,
-#                                               # T = 16384 and 65536 (BENCH_TP=8: one tp, for a short device call)
+#                                               # T = 16384 and 65536, one process per point (BENCH_TP=8 and/or
+#                                               # BENCH_POINTS=1024x16: fewer, for a short device call)
 #
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
 set -uo pipefail
@@ -77,9 +78,13 @@ generate)
     ;;
 bench)
     # issue #27's first goal: hcpasses >= the hand-written SP in per-rank compute at tp 2, 4, 8 for T >= 16384
+    # one process per point: a second point in the same process can recompile one variant and not another
+    # (kernels tuned for the other T), which confounds the comparison; results go to $out/<point>/
     for tp in ${BENCH_TP:-2 4 8}; do
-        PYTHONPATH=.:benchmarks timeout 500 python3 benchmarks/prefill_sp.py --simulate --tp $tp \
-            --points 1024x16,1024x64 --layers 4 --dynamic --out "$out" 2>&1 | tee "$out/bench_tp$tp.log" | tail -8
+        for point in ${BENCH_POINTS:-1024x16 1024x64}; do
+            PYTHONPATH=.:benchmarks timeout 300 python3 benchmarks/prefill_sp.py --simulate --tp $tp \
+                --points $point --layers 4 --dynamic --out "$out/$point" 2>&1 | tee "$out/bench_tp${tp}_$point.log" | tail -6
+        done
     done
     ;;
 esac
