@@ -24,6 +24,7 @@ from harness.reference import (
 from harness.tally import CheckedGraphs
 from hypothesis import given
 from hypothesis import strategies as st
+from torch._inductor.utils import run_and_get_code
 
 import hcpasses.passes.sp_rewrite as sp_rewrite
 from hcpasses.config import HCPassesConfig
@@ -300,7 +301,7 @@ def shard_of_start(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, torc
     """A copy of ``gm`` that returns (the value its SP region shards, that shard): the graph up to the indexed read
     of the start, with no collective in it, so that one rank runs it alone."""
     part = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    (read,) = [n for n in part.graph.nodes if n.target is torch.ops.aten.index.Tensor]
+    (read,) = [n for n in part.graph.nodes if n.target is torch.ops.aten._unsafe_index.Tensor]
     (shard,) = [n for n in read.users if n.target is torch.ops.aten.where.self]
     part.graph.erase_node(part.graph.output_node())
     part.graph.output((read.args[0], shard))
@@ -338,6 +339,28 @@ def test_a_symbolic_token_count_shards_by_an_indexed_read(checked_graphs: Checke
         expected = reference_model(case.config())(ids)
     assert_exact_at(sharded, ids, expected)
     checked_graphs.add(sharded)
+
+
+@pytest.mark.parametrize(("op", "checked"), [("_unsafe_index", False), ("index", True)])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_inductor_bound_checks_an_index_but_not_an_unsafe_index(op: str, checked: bool, device: str) -> None:
+    """Pins the Inductor behaviour the indexed read relies on (torch 2.11 and 2.13): ``aten.index`` with a row index
+    Inductor cannot bound makes it emit a bounds check in the kernel (on CUDA a device assert, compiled in), and
+    ``aten._unsafe_index`` does not."""
+    index = getattr(torch.ops.aten, op).Tensor
+
+    def rows_of(x: torch.Tensor, n: int) -> torch.Tensor:
+        row = torch.arange(n, device=x.device)
+        return index(x, [row * (row < x.shape[0])]) * 2
+
+    torch._dynamo.reset()
+    x = torch.randn(11, 8, device=device)
+    got, (code,) = run_and_get_code(torch.compile(rows_of, dynamic=True), x, 6)
+    torch.testing.assert_close(got, x[:6] * 2)
+    assert ("index out of bounds" in code) == checked, code
 
 
 @pytest.mark.parametrize(("tp", "tokens", "fp8", "ple"), [(2, 9, True, None), (3, 2, False, 1), (4, 31, True, 0)])

@@ -148,7 +148,9 @@ class _Emitter:
         begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
         row = self._iota(self.rows, val.device, begin)
         inside = call(aten.lt.Scalar, (row, self.tokens))
-        read = call(aten.index.Tensor, (flat, [call(aten.mul.Tensor, (row, inside))]))  # rows past N read row 0
+        # rows past N read row 0. `_unsafe_index`, not `index`: the row is in range by construction, and `index`
+        # makes Inductor bound-check it in every kernel that reads it (a device assert, compiled in on CUDA)
+        read = call(aten._unsafe_index.Tensor, (flat, [call(aten.mul.Tensor, (row, inside))]))
         mask = call(aten.reshape.default, (inside, [-1, *([1] * ndim_rest)]))
         zero = call(aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device})
         return call(aten.where.self, (mask, read, zero))
