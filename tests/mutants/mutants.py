@@ -444,6 +444,26 @@ MUTANTS: tuple[Mutant, ...] = (
         k="select and not True",
     ),
     Mutant(
+        name="indexed_read_every_rank_reads_rank_zero",
+        fault="a symbolic N's indexed read starts every rank at row 0 (each rank shards rank 0's rows)",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""        begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
+""",
+        new="""        begin = 0  # "the read is relative to this rank's shard"
+""",
+        tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_an_indexed_read",),
+    ),
+    Mutant(
+        name="indexed_read_pads_with_ones",
+        fault="a symbolic N's indexed read fills the pad rows past N with ones, not zeros",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""        zero = call(aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device})
+""",
+        new="""        zero = call(aten.scalar_tensor.default, (1.0,), {"dtype": val.dtype, "device": val.device})
+""",
+        tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_an_indexed_read",),
+    ),
+    Mutant(
         name="prologue_ignores_bytes",
         fault="a sub-layer's prologue joins the region whatever it leaves to gather (x gathered beside its norm)",
         file="hcpasses/passes/sp_rewrite/region.py",
