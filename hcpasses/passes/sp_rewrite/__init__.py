@@ -6,10 +6,13 @@ Before (every rank computes the HC work of all T tokens)::
 
 After (rank r works on its R = ceil(T/tp) token rows; rows padded with zeros up to R)::
 
-    hs = shard_rows(h, r, tp)[R,nS] -> mix -> x[R,S] -> all_gather, trim -> x[T,S] -> sub-layer shard
+    hs = h[rR : rR+R][R,nS] -> mix -> x[R,S] -> all_gather, trim -> x[T,S] -> sub-layer shard
        -> p[T,S] -> pad to R*tp rows -> reduce_scatter -> y[R,S] -> combine(hs, y) -> h'[R,nS] -> next mix ...
 
-(``shard_rows`` where T does not split evenly; where a static T does, a plain slice, a view Inductor fuses.)
+(``h[rR : rR+R]``: for a static T that tp divides a slice; for a symbolic T an indexed read,
+``where(row < T, h[row * (row < T)], 0)``. Inductor fuses both into their readers, so a pointwise h such as the
+embedding is computed for this rank's rows alone. Elsewhere (a static T that tp does not divide, or symbolic sizes
+after the token dims) the ``shard_rows`` op: a copy, zero rows past T, which Inductor cannot see into.)
 
 All-reduce = reduce-scatter + all-gather, so the bytes on the wire are unchanged while each rank does
 1/tp of the HC work. When the fusion pass ran first, the fused op is part of the region and the
@@ -80,7 +83,7 @@ How the region is found:
   there, and the next HC block after it starts a new region. So one unfamiliar piece costs only the
   blocks it touches; the report lists every cut with its node and reason::
 
-      h -> [HC blocks, sharded] -> all_gather(h) -> unknown op (full rows) -> shard_rows -> [HC blocks, sharded]
+      h -> [HC blocks, sharded] -> all_gather(h) -> unknown op (full rows) -> shard -> [HC blocks, sharded]
 
 Groups: a region shards over the group of the all-reduces it replaces, whichever group that is (the default one,
 or a TP group a DP x TP job made with ``dist.new_group``): rank r and tp above are this process's rank in that
