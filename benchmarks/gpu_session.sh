@@ -12,7 +12,8 @@
 #                                               # (GENERATE_TP=1 or 8: one of them, for a short device call)
 #     bash benchmarks/gpu_session.sh bench      # the benchmark model's three variants at simulated tp 2, 4, 8,
 #                                               # T = 16384 and 65536, one process per point (BENCH_TP=8 and/or
-#                                               # BENCH_POINTS=1024x16, BENCH_VARIANTS=...: fewer, for a short call)
+#                                               # BENCH_POINTS=1024x16, BENCH_VARIANTS=...: fewer, for a short call;
+#                                               # BENCH_FP8=1: FP8 input projections)
 #
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
 set -uo pipefail
@@ -83,7 +84,8 @@ bench)
     for tp in ${BENCH_TP:-2 4 8}; do
         for point in ${BENCH_POINTS:-1024x16 1024x64}; do
             PYTHONPATH=.:benchmarks timeout 300 python3 benchmarks/prefill_sp.py --simulate --tp $tp \
-                --points $point --variants ${BENCH_VARIANTS:-sp_off,hcpasses_sp,handwritten_sp} --layers 4 --dynamic --out "$out/$point" 2>&1 | tee "$out/bench_tp${tp}_$point.log" | tail -6
+                --points $point --variants ${BENCH_VARIANTS:-sp_off,hcpasses_sp,handwritten_sp} --layers 4 --dynamic \
+                ${BENCH_FP8:+--fp8} --out "$out/$point" 2>&1 | tee "$out/bench_tp${tp}_$point${BENCH_FP8:+_fp8}.log" | tail -6
         done
     done
     ;;

@@ -17,9 +17,10 @@ shows that nothing blew up.
 
 Model: ``hcpasses.testing.models.bench_model.BenchDecoder`` at real sizes (S 2560, n 4, r 320, bf16, 8 layers: linear
 token mixer with GDN-sized projections, attention every 4th layer, SwiGLU 5632; logits of the last
-token of each sequence). A point ``LxB`` is B concurrent sequences of L tokens, one forward of T = L*B
-tokens. Variants, all through Inductor, each compiled once per point with static shapes (``--dynamic``
-compiles with symbolic sizes instead):
+token of each sequence; ``--fp8``: PTPC-FP8 input projections, where hcpasses fuses each gated mean with its
+quant and both SP variants gather FP8 codes and scales). A point ``LxB`` is B concurrent sequences of L tokens,
+one forward of T = L*B tokens. Variants, all through Inductor, each compiled once per point with static shapes
+(``--dynamic`` compiles with symbolic sizes instead):
 
 - ``sp_off``: ``hcpasses.backend(sp_rewrite=False)`` on the plain model;
 - ``hcpasses_sp``: ``hcpasses.backend(sp_rewrite=True, sp_min_tokens=...)`` on the plain model;
@@ -45,7 +46,8 @@ which only checks the plumbing); the ratio sharded / unsharded is the HC time go
 and copy ceilings (a bf16 GEMM, a device-to-device copy) are measured in the same run, and each point's
 per-rank FLOPs are counted (``flops_per_rank``).
 
-Writes ``prefill_sp_tp{tp}.json`` and ``.png`` (``smoke_`` prefixed for ``--cpu-smoke``) to ``--out``.
+Writes ``prefill_sp_tp{tp}.json`` and ``.png`` (``smoke_`` prefixed for ``--cpu-smoke``, ``_fp8`` after the tp for
+``--fp8``, ``_simulated`` for ``--simulate``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class Settings:
     n_inputs: int
     sp_min_tokens: int
     ple_layer: int | None
+    fp8: bool
     all_logits: bool
     dynamic: bool
     smoke: bool
@@ -130,8 +133,10 @@ class Settings:
     def config(self) -> HCConfig:
         """Real sizes, bf16 (tiny fp32 for the smoke run)."""
         if self.smoke:
-            return HCConfig.tiny(n_layers=self.n_layers, n_heads=4, n_kv_heads=2, ple_layer=self.ple_layer, seed=5)
-        return bench_config(n_layers=self.n_layers, ple_layer=self.ple_layer)
+            return HCConfig.tiny(
+                n_layers=self.n_layers, n_heads=4, n_kv_heads=2, ple_layer=self.ple_layer, fp8=self.fp8, seed=5
+            )
+        return bench_config(n_layers=self.n_layers, ple_layer=self.ple_layer, fp8=self.fp8)
 
     def sizes(self) -> MixerSizes:
         """GDN sizes: 16 heads x 128 (4 heads x 8 for the smoke run)."""
@@ -591,6 +596,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (default 15)")
     parser.add_argument("--sp-min-tokens", type=int, default=None, help="hcpasses threshold (default 1024)")
     parser.add_argument("--ple-layer", type=int, default=None, help="layer holding the PLE layer (default none)")
+    parser.add_argument("--fp8", action="store_true", help="PTPC-FP8 input projections (x quantised per token)")
     parser.add_argument("--all-logits", action="store_true", help="logits of every token, not the last of each")
     parser.add_argument("--dynamic", action="store_true", help="compile with symbolic sizes (one graph per variant)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU over gloo, to check the script")
@@ -614,6 +620,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
         n_inputs=2 if smoke else 4,
         sp_min_tokens=args.sp_min_tokens or (16 if smoke else 1024),
         ple_layer=args.ple_layer,
+        fp8=args.fp8,
         all_logits=args.all_logits,
         dynamic=args.dynamic,
         smoke=smoke,
@@ -638,7 +645,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         per_rank = run_ranks(rank_main, settings.tp, settings, backend=backend, timeout_s=args.timeout)
     summary = summarize(settings, per_rank)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{'smoke_' if settings.smoke else ''}prefill_sp_tp{settings.tp}{'_simulated' if settings.simulate else ''}"
+    stem = f"{'smoke_' if settings.smoke else ''}prefill_sp_tp{settings.tp}{'_fp8' if settings.fp8 else ''}"
+    stem += "_simulated" if settings.simulate else ""
     (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
     plotted = plot(summary, args.out / f"{stem}.png")
     print(table(summary))

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 import hcpasses.testing.models.sp_handwritten as sp_module
 from hcpasses.testing.models import HCConfig, HCDecoder
 from hcpasses.testing.models.bench_model import BenchDecoder, MixerSizes, chunked_linear_attention
+from hcpasses.testing.models.fp8 import Fp8Linear
 from hcpasses.testing.models.mhc import ManifoldHyperConnection, ManifoldHyperHead, MHCDecoder, sinkhorn
 from hcpasses.testing.models.sp_handwritten import HandwrittenSPDecoder, RowShards
 from hcpasses.testing.multiproc import run_ranks
@@ -42,8 +43,9 @@ SP_VARIANTS: dict[str, dict[str, Any]] = {
 }
 MHC_VARIANTS: dict[str, dict[str, Any]] = {"plain": {}, "ple_first": {"ple_layer": 0}, "fp8": {"fp8": True}}
 BENCH_SIZES = MixerSizes(heads=4, key_head_dim=8, value_head_dim=8)
-# (T, n_seqs, ple_layer): sequences of 70 tokens span two mixer chunks (64); PLE in a middle layer; T = n_seqs
-BENCH_CASES = ((140, 2, None), (9, 1, 1), (3, 3, 0))
+# (T, n_seqs, ple_layer, fp8): sequences of 70 tokens span two mixer chunks (64); PLE in a middle layer; T = n_seqs;
+# FP8 input projections (T = 13: ragged at tp 2)
+BENCH_CASES = ((140, 2, None, False), (9, 1, 1, False), (3, 3, 0, False), (13, 1, None, True))
 
 
 def _sp_config(variant: str) -> HCConfig:
@@ -54,8 +56,8 @@ def _mhc_config(variant: str) -> HCConfig:
     return HCConfig.tiny(seed=5, **MHC_VARIANTS[variant])
 
 
-def _bench_config(ple_layer: int | None) -> HCConfig:
-    return HCConfig.tiny(n_layers=4, n_heads=4, n_kv_heads=2, ple_layer=ple_layer, seed=3)
+def _bench_config(ple_layer: int | None, fp8: bool = False) -> HCConfig:
+    return HCConfig.tiny(n_layers=4, n_heads=4, n_kv_heads=2, ple_layer=ple_layer, seed=3, fp8=fp8)
 
 
 def _ids(n_tokens: int, seed: int, vocab: int = 64) -> torch.Tensor:
@@ -145,13 +147,15 @@ def _shards(rank: int, world_size: int) -> dict[int, tuple[torch.Tensor, int]]:
 def _bench_outputs(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each bench case's all-token logits, plain TP and hand-written SP."""
     out = []
-    for n_tokens, n_seqs, ple_layer in BENCH_CASES:
+    for n_tokens, n_seqs, ple_layer, fp8 in BENCH_CASES:
         ids = _ids(n_tokens, seed=n_tokens)
         plain, sp = (
-            BenchDecoder(_bench_config(ple_layer), handwritten_sp=flag, sizes=BENCH_SIZES, all_logits=True)
+            BenchDecoder(_bench_config(ple_layer, fp8), handwritten_sp=flag, sizes=BENCH_SIZES, all_logits=True)
             for flag in (False, True)
         )
-        out.append((plain(ids, n_seqs), sp(ids, n_seqs)))
+        with _recording() as (log, _):
+            sp_logits = sp(ids, n_seqs)
+        out.append((plain(ids, n_seqs), sp_logits, [dtype for name, dtype, _ in log.calls if "gather" in name]))
     return out
 
 
@@ -304,15 +308,21 @@ def test_bench_handwritten_sp_matches_plain(ranks: tuple[int, list[dict[str, Any
     tp, per_rank = ranks
     if tp != 2:
         pytest.skip("the benchmark model is checked at tp=2")
-    for case, (n_tokens, n_seqs, ple_layer) in enumerate(BENCH_CASES):
+    for case, (n_tokens, n_seqs, ple_layer, fp8) in enumerate(BENCH_CASES):
         with torch.no_grad():
-            model = BenchDecoder(_bench_config(ple_layer), 0, 1, sizes=BENCH_SIZES, all_logits=True)
+            model = BenchDecoder(_bench_config(ple_layer, fp8), 0, 1, sizes=BENCH_SIZES, all_logits=True)
             reference = model(_ids(n_tokens, seed=n_tokens), n_seqs)
         assert reference.shape == (n_tokens, 64)
+        assert all(isinstance(layer.mlp.in_proj, Fp8Linear) == fp8 for layer in model.layers)
+        rel = 2e-3 if fp8 else 1e-5  # FP8: a rounding-boundary value may land one code away
         for rank in per_rank:
-            plain, sp = rank["bench"][case]
-            _assert_close_rel(plain, reference, 1e-5)
-            _assert_close_rel(sp, reference, 1e-5)
+            plain, sp, gathered = rank["bench"][case]
+            _assert_close_rel(plain, reference, rel)
+            _assert_close_rel(sp, reference, rel)
+            # each sharded sub-layer gathers its input: FP8 codes (as uint8) and their scales, or x itself
+            per_sublayer = [torch.uint8, torch.float32] if fp8 else [torch.float32]
+            sharded_layers = len(model.layers) - (ple_layer or 0)  # the layers before the PLE run unsharded
+            assert gathered == per_sublayer * (2 * sharded_layers) + [torch.float32], gathered
 
 
 def test_chunked_linear_attention_matches_quadratic_form() -> None:
@@ -358,3 +368,21 @@ def test_prefill_benchmark_cpu_smoke(tmp_path: Path) -> None:
         "hcpasses_vs_sp_off_at_largest_T",
         "decode_abs_deviation_vs_sp_off",
     }
+
+
+@pytest.mark.thorough  # processes over gloo: CI, not the quick local run
+def test_prefill_benchmark_cpu_smoke_fp8(tmp_path: Path) -> None:
+    """``--fp8``: the benchmark model's input projections are FP8, hcpasses fuses each gated mean with its quant
+    (both HC blocks of the layer) and shards, and every variant's logits are SP off's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "benchmarks/prefill_sp.py", "--cpu-smoke", "--fp8", "--layers", "1", "--repeats", "2"]
+    command += ["--warmup", "0", "--points", "16x2", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((tmp_path / "smoke_prefill_sp_tp2_fp8.json").read_text())
+    assert summary["settings"]["fp8"] is True
+    (row,) = summary["points"]
+    for result in row["variants"].values():
+        assert result["ms"] > 0 and result["rel_diff_vs_sp_off"] < 1e-5
+    passes = {p["name"]: p["applied"] for p in row["variants"]["hcpasses_sp"]["reports_rank0"][0]["passes"]}
+    assert passes["gated_mean_quant"] == 2 and passes["sp_rewrite"] == 3, passes

@@ -5,6 +5,8 @@ linear-time token mixer with Gated DeltaNet (GDN) sized projections; every layer
 MLP (intermediate 5632). The HC blocks, embedding, final mixer, final norm and lm_head are the reference
 ones (``.hc``), replicated under TP. Sub-layers are Megatron-sharded as in ``.decoder``:
 column-parallel in, row-parallel out plus an all-reduce; KV heads are replicated when tp > n_kv_heads.
+With ``cfg.fp8`` the input projections are PTPC-FP8 (x quantised per token, ``input_projection``), the output
+projections stay in the model's dtype.
 
 T tokens are ``n_seqs`` equal-length causal sequences, concatenated (``[T, hidden]``, vLLM style): the
 attention, the conv and the recurrence run per sequence. Logits are computed for the last token of each
@@ -40,6 +42,7 @@ from torch import nn
 
 from .config import HCConfig
 from .decoder import PLELayer, apply_rope, output_projection, rope_tables
+from .fp8 import Fp8Linear
 from .hc import NORM_WEIGHT_STD, FinalMixer, HyperConnection, grouped_rms_norm
 from .sp_handwritten import RowShards, sharded_hc_sublayer
 from .tp import (
@@ -103,6 +106,23 @@ class LocalLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+FP8_ALIGN = 16  # the CUDA row-wise scaled GEMM (torch._scaled_mm) needs 16-aligned sizes
+
+
+def input_projection(weight: torch.Tensor, fp8: bool) -> nn.Module:
+    """A sub-layer's input projection from this rank's weight ``[out, in]``: PTPC-FP8 when ``fp8`` (x quantised per
+    token), else plain. An FP8 weight gets zero rows up to a multiple of 16 outputs (the mixer's beta heads make
+    8208 / tp): the scaled GEMM runs on every shard, and the sub-layers read the first ``out`` columns alone."""
+    if not fp8:
+        return LocalLinear(weight)
+    return Fp8Linear(F.pad(weight, (0, 0, 0, -weight.shape[0] % FP8_ALIGN)))
+
+
+def leading_columns(projected: torch.Tensor, width: int) -> torch.Tensor:
+    """The first ``width`` columns of an input projection's output (no op where it has no FP8 pad columns)."""
+    return projected if projected.shape[-1] == width else projected[..., :width]
+
+
 class ProjectedSublayer(nn.Module):
     """A TP sub-layer cut at its projections: ``in_proj`` (column-parallel) -> ``core`` -> ``out_proj``.
 
@@ -148,12 +168,13 @@ class BenchAttention(ProjectedSublayer):
 
         q = take_shard(full(0, q_width), 0, tp_rank, tp_size)
         k, v = (take_shard(full(i, kv_width), 0, tp_rank // share, tp_size // share) for i in (1, 2))
-        self.in_proj = LocalLinear(torch.cat([q, k, v]).to(cfg.dtype))
+        self.in_proj = input_projection(torch.cat([q, k, v]).to(cfg.dtype), cfg.fp8)
         self.out_proj = output_projection(cfg, q_width, name=f"{name}.o_proj", tp_rank=tp_rank, tp_size=tp_size)
 
     def core(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """Per-sequence causal attention: ``[T, (H + 2 Hkv) D] -> [T, H D]``."""
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        projected = leading_columns(projected, q_width + 2 * kv_width)
         q, k, v = seqs.batched(projected).split([q_width, kv_width, kv_width], dim=-1)
         q = apply_rope(q.unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2), seqs.rope)
         k = apply_rope(k.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(1, 2), seqs.rope)
@@ -204,7 +225,8 @@ class LinearMixer(ProjectedSublayer):
         self.eps = cfg.eps
         kd, vd = sizes.key_dim, sizes.value_dim
         tp = dict(seed=cfg.seed, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size)
-        self.in_proj = ColumnParallelLinear(cfg.hidden, [kd, kd, vd, vd, sizes.heads], name=f"{name}.in_proj", **tp)
+        in_proj = ColumnParallelLinear(cfg.hidden, [kd, kd, vd, vd, sizes.heads], name=f"{name}.in_proj", **tp)
+        self.in_proj = input_projection(in_proj.weight.detach(), cfg.fp8)
         conv = column_parallel_weight(MIXER_CONV_KERNEL, [kd, kd, vd], name=f"{name}.conv", **tp)
         self.conv_weight = nn.Parameter(conv.unsqueeze(1), requires_grad=False)
         norm = take_shard(seeded_normal(cfg.seed, f"{name}.norm_weight", (vd,), NORM_WEIGHT_STD), 0, tp_rank, tp_size)
@@ -214,7 +236,8 @@ class LinearMixer(ProjectedSublayer):
     def core(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """``[T, 2 kd + 2 vd + heads] (local) -> [T, vd] (local)``."""
         h, dk, dv = self.heads, self.key_head_dim, self.value_head_dim
-        qkv, z, beta = projected.split([h * (2 * dk + dv), h * dv, h], dim=-1)
+        widths = [h * (2 * dk + dv), h * dv, h]
+        qkv, z, beta = leading_columns(projected, sum(widths)).split(widths, dim=-1)
         q, k, v = causal_depthwise_conv(seqs.batched(qkv), self.conv_weight).split([h * dk, h * dk, h * dv], dim=-1)
         q = F.normalize(q.unflatten(-1, (h, dk)), dim=-1) * dk**-0.5
         k = F.normalize(k.unflatten(-1, (h, dk)), dim=-1) * torch.sigmoid(seqs.batched(beta)).unsqueeze(-1)
@@ -228,12 +251,14 @@ class BenchMLP(ProjectedSublayer):
     def __init__(self, cfg: HCConfig, *, name: str, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         tp = dict(seed=cfg.seed, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size)
-        self.in_proj = ColumnParallelLinear(cfg.hidden, [cfg.intermediate] * 2, name=f"{name}.gate_up", **tp)
+        gate_up = ColumnParallelLinear(cfg.hidden, [cfg.intermediate] * 2, name=f"{name}.gate_up", **tp)
+        self.in_proj = input_projection(gate_up.weight.detach(), cfg.fp8)
+        self.width = gate_up.weight.shape[0]
         self.out_proj = RowParallelLinear(cfg.intermediate, cfg.hidden, name=f"{name}.down", **tp)
 
     def core(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """``silu(gate) * up``."""
-        gate, up = projected.chunk(2, dim=-1)
+        gate, up = leading_columns(projected, self.width).chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
@@ -271,8 +296,6 @@ def check_bench_tp(cfg: HCConfig, sizes: MixerSizes, tp_size: int) -> None:
             raise ValueError(f"{name} ({value}) must be divisible by the TP size ({tp_size})")
     if cfg.n_kv_heads % tp_size != 0 and tp_size % cfg.n_kv_heads != 0:
         raise ValueError(f"n_kv_heads ({cfg.n_kv_heads}) and the TP size ({tp_size}) must divide one another")
-    if cfg.fp8:
-        raise ValueError("the benchmark model has no FP8 projections; use fp8=False")
 
 
 class BenchDecoder(nn.Module):
