@@ -144,8 +144,8 @@ def _shards(rank: int, world_size: int) -> dict[int, tuple[torch.Tensor, int]]:
     return out
 
 
-def _bench_outputs(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each bench case's all-token logits, plain TP and hand-written SP."""
+def _bench_outputs(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.dtype]]]:
+    """Each bench case's all-token logits, plain TP and hand-written SP, and the dtypes the SP one gathered."""
     out = []
     for n_tokens, n_seqs, ple_layer, fp8 in BENCH_CASES:
         ids = _ids(n_tokens, seed=n_tokens)
