@@ -5,7 +5,7 @@ linear-time token mixer with Gated DeltaNet (GDN) sized projections; every layer
 MLP (intermediate 5632). The HC blocks, embedding, final mixer, final norm and lm_head are the reference
 ones (``.hc``), replicated under TP. Sub-layers are Megatron-sharded as in ``.decoder``:
 column-parallel in, row-parallel out plus an all-reduce; KV heads are replicated when tp > n_kv_heads.
-With ``cfg.fp8`` the input projections are PTPC-FP8 (x quantised per token, ``input_projection``), the output
+With ``cfg.fp8`` the input projections are PTPC-FP8 (x quantised per token, ``set_input_projection``), the output
 projections stay in the model's dtype.
 
 T tokens are ``n_seqs`` equal-length causal sequences, concatenated (``[T, hidden]``, vLLM style): the
@@ -46,7 +46,6 @@ from .fp8 import Fp8Linear
 from .hc import NORM_WEIGHT_STD, FinalMixer, HyperConnection, grouped_rms_norm
 from .sp_handwritten import RowShards, sharded_hc_sublayer
 from .tp import (
-    ColumnParallelLinear,
     RowParallelLinear,
     column_parallel_weight,
     replicated_parameter,
@@ -109,20 +108,6 @@ class LocalLinear(nn.Module):
 FP8_ALIGN = 16  # the CUDA row-wise scaled GEMM (torch._scaled_mm) needs 16-aligned sizes
 
 
-def input_projection(weight: torch.Tensor, fp8: bool) -> nn.Module:
-    """A sub-layer's input projection from this rank's weight ``[out, in]``: PTPC-FP8 when ``fp8`` (x quantised per
-    token), else plain. An FP8 weight gets zero rows up to a multiple of 16 outputs (the mixer's beta heads make
-    8208 / tp): the scaled GEMM runs on every shard, and the sub-layers read the first ``out`` columns alone."""
-    if not fp8:
-        return LocalLinear(weight)
-    return Fp8Linear(F.pad(weight, (0, 0, 0, -weight.shape[0] % FP8_ALIGN)))
-
-
-def leading_columns(projected: torch.Tensor, width: int) -> torch.Tensor:
-    """The first ``width`` columns of an input projection's output (no op where it has no FP8 pad columns)."""
-    return projected if projected.shape[-1] == width else projected[..., :width]
-
-
 class ProjectedSublayer(nn.Module):
     """A TP sub-layer cut at its projections: ``in_proj`` (column-parallel) -> ``core`` -> ``out_proj``.
 
@@ -131,7 +116,18 @@ class ProjectedSublayer(nn.Module):
     """
 
     in_proj: nn.Module
+    in_width: int  # in_proj's outputs that ``core`` reads (an FP8 in_proj has zero pad columns after them)
     out_proj: RowParallelLinear
+
+    def set_input_projection(self, weight: torch.Tensor, fp8: bool) -> None:
+        """``in_proj`` from this rank's weight ``[out, in]``: PTPC-FP8 when ``fp8`` (x quantised per token), else
+        plain. An FP8 weight gets zero rows up to a multiple of 16 outputs (the mixer's beta heads make 8208 / tp),
+        so that the scaled GEMM runs on every shard; ``forward`` and ``partial`` drop the pad columns."""
+        self.in_width = weight.shape[0]
+        if fp8:
+            self.in_proj = Fp8Linear(F.pad(weight, (0, 0, 0, -self.in_width % FP8_ALIGN)))
+        else:
+            self.in_proj = LocalLinear(weight)
 
     def core(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """``in_proj`` output ``[T, local in]`` -> ``out_proj`` input ``[T, local out]``."""
@@ -139,11 +135,15 @@ class ProjectedSublayer(nn.Module):
 
     def forward(self, x: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """``x [T, S] -> [T, S]``, all-reduced."""
-        return self.out_proj(self.core(self.in_proj(x), seqs))
+        return self.out_proj(self.core(self._unpadded(self.in_proj(x)), seqs))
 
     def partial(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """This rank's un-reduced share of the output, ``[T, S]``."""
-        return F.linear(self.core(projected, seqs), self.out_proj.weight)
+        return F.linear(self.core(self._unpadded(projected), seqs), self.out_proj.weight)
+
+    def _unpadded(self, projected: torch.Tensor) -> torch.Tensor:
+        """``in_proj``'s output without FP8 pad columns (no op where there are none)."""
+        return projected if projected.shape[-1] == self.in_width else projected[..., : self.in_width]
 
 
 def _local_kv_heads(n_kv_heads: int, tp_size: int) -> tuple[int, int]:
@@ -168,13 +168,12 @@ class BenchAttention(ProjectedSublayer):
 
         q = take_shard(full(0, q_width), 0, tp_rank, tp_size)
         k, v = (take_shard(full(i, kv_width), 0, tp_rank // share, tp_size // share) for i in (1, 2))
-        self.in_proj = input_projection(torch.cat([q, k, v]).to(cfg.dtype), cfg.fp8)
+        self.set_input_projection(torch.cat([q, k, v]).to(cfg.dtype), cfg.fp8)
         self.out_proj = output_projection(cfg, q_width, name=f"{name}.o_proj", tp_rank=tp_rank, tp_size=tp_size)
 
     def core(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """Per-sequence causal attention: ``[T, (H + 2 Hkv) D] -> [T, H D]``."""
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        projected = leading_columns(projected, q_width + 2 * kv_width)
         q, k, v = seqs.batched(projected).split([q_width, kv_width, kv_width], dim=-1)
         q = apply_rope(q.unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2), seqs.rope)
         k = apply_rope(k.unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(1, 2), seqs.rope)
@@ -225,8 +224,8 @@ class LinearMixer(ProjectedSublayer):
         self.eps = cfg.eps
         kd, vd = sizes.key_dim, sizes.value_dim
         tp = dict(seed=cfg.seed, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size)
-        in_proj = ColumnParallelLinear(cfg.hidden, [kd, kd, vd, vd, sizes.heads], name=f"{name}.in_proj", **tp)
-        self.in_proj = input_projection(in_proj.weight.detach(), cfg.fp8)
+        in_proj = column_parallel_weight(cfg.hidden, [kd, kd, vd, vd, sizes.heads], name=f"{name}.in_proj", **tp)
+        self.set_input_projection(in_proj, cfg.fp8)
         conv = column_parallel_weight(MIXER_CONV_KERNEL, [kd, kd, vd], name=f"{name}.conv", **tp)
         self.conv_weight = nn.Parameter(conv.unsqueeze(1), requires_grad=False)
         norm = take_shard(seeded_normal(cfg.seed, f"{name}.norm_weight", (vd,), NORM_WEIGHT_STD), 0, tp_rank, tp_size)
@@ -236,8 +235,7 @@ class LinearMixer(ProjectedSublayer):
     def core(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """``[T, 2 kd + 2 vd + heads] (local) -> [T, vd] (local)``."""
         h, dk, dv = self.heads, self.key_head_dim, self.value_head_dim
-        widths = [h * (2 * dk + dv), h * dv, h]
-        qkv, z, beta = leading_columns(projected, sum(widths)).split(widths, dim=-1)
+        qkv, z, beta = projected.split([h * (2 * dk + dv), h * dv, h], dim=-1)
         q, k, v = causal_depthwise_conv(seqs.batched(qkv), self.conv_weight).split([h * dk, h * dk, h * dv], dim=-1)
         q = F.normalize(q.unflatten(-1, (h, dk)), dim=-1) * dk**-0.5
         k = F.normalize(k.unflatten(-1, (h, dk)), dim=-1) * torch.sigmoid(seqs.batched(beta)).unsqueeze(-1)
@@ -251,14 +249,14 @@ class BenchMLP(ProjectedSublayer):
     def __init__(self, cfg: HCConfig, *, name: str, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         tp = dict(seed=cfg.seed, dtype=cfg.dtype, tp_rank=tp_rank, tp_size=tp_size)
-        gate_up = ColumnParallelLinear(cfg.hidden, [cfg.intermediate] * 2, name=f"{name}.gate_up", **tp)
-        self.in_proj = input_projection(gate_up.weight.detach(), cfg.fp8)
-        self.width = gate_up.weight.shape[0]
+        self.set_input_projection(
+            column_parallel_weight(cfg.hidden, [cfg.intermediate] * 2, name=f"{name}.gate_up", **tp), cfg.fp8
+        )
         self.out_proj = RowParallelLinear(cfg.intermediate, cfg.hidden, name=f"{name}.down", **tp)
 
     def core(self, projected: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """``silu(gate) * up``."""
-        gate, up = leading_columns(projected, self.width).chunk(2, dim=-1)
+        gate, up = projected.chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
