@@ -60,8 +60,11 @@ gathers' copies while SP off's in-place all-reduce stand-in costs nothing). Kern
 
 Robust on a time-limited GPU call: progress on stdout, the JSON rewritten after every case, and a case that
 raises (out of memory, a head count tp does not divide) is recorded with its error and skipped.
-Writes ``prefill_hf[_<tag>].json`` (``smoke_`` prefixed for ``--cpu-smoke``) to ``--out``; with ``--trace DIR``, each
-variant's profiled calls as a Chrome trace ``DIR/trace_<model>_<dtype>_tp<N>_T<T>_<variant>.json``.
+Writes ``prefill_hf[_<tag>].json`` (``smoke_`` prefixed for ``--cpu-smoke``; its header names the date, start
+time, commit and command) and, where matplotlib imports, the run's plot ``.png`` (``prefill_hf_grid.plot``) to
+``--out``; with ``--trace DIR``, each variant's profiled calls as a Chrome trace
+``DIR/trace_<model>_<dtype>_tp<N>_T<T>_<variant>.json``. ``prefill_hf_grid.py`` puts every run's cells together
+(the README's table).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ import datetime
 import importlib.util
 import json
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -80,6 +85,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import prefill_hf_grid
 import torch
 from handwritten_sp_hf import handwritten_sp
 from simulated_tp import NVLINK_GBPS_PER_DIRECTION, STANDIN_RANGE, CommLedger, CommModel, simulated_tp, standin_ms
@@ -527,9 +533,9 @@ def cases(settings: Settings) -> Iterator[tuple[str, str, int, tuple[Case, ...]]
                 yield name, dtype, tp, tuple(Case(name, dtype, tp, tokens) for tokens in settings.tokens)
 
 
-def run(settings: Settings, path: Path) -> dict[str, Any]:
-    """Every case, the JSON at ``path`` rewritten after each."""
-    report = header(settings)
+def run(settings: Settings, path: Path, command: str) -> dict[str, Any]:
+    """Every case, the JSON at ``path`` rewritten after each; ``command`` is recorded in its header."""
+    report = header(settings, command)
     kernels = eager_kernels_under_compile() if settings.eager_kernels else contextlib.nullcontext({})
     with kernels as patched:
         report["patched"] = patched
@@ -552,10 +558,25 @@ def run_cases(settings: Settings, path: Path, report: dict[str, Any]) -> None:
             release(settings.device)
 
 
-def header(settings: Settings) -> dict[str, Any]:
+def commit() -> str | None:
+    """The checkout's commit, with ``+dirty`` for uncommitted changes; None where git or the repository is missing
+    (the device machine gets a copy of the working tree, perhaps without ``.git``)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def header(settings: Settings, command: str) -> dict[str, Any]:
     on_gpu = settings.device.type == "cuda"
     return {
         "date": datetime.date.today().isoformat(),
+        # which of one day's runs is newer, which code it ran and how (prefill_hf_grid.py picks each cell's newest)
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
+        "command": command,
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu (smoke)",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
@@ -672,15 +693,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings, path = parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    settings, path = parse_args(args)
     if not settings.smoke and not torch.cuda.is_available():
         raise SystemExit("prefill_hf: needs a GPU (or --cpu-smoke)")
     if settings.smoke:
         torch.set_num_threads(1)
     log(f"prefill_hf: {json.dumps(asdict(settings), default=str)} -> {path}")
-    report = run(settings, path)
+    report = run(settings, path, " ".join(["python benchmarks/prefill_hf.py", *args]))
     print(table(report))
-    print(f"wrote {path}")
+    plotted = prefill_hf_grid.plot(prefill_hf_grid.newest(prefill_hf_grid.load([path])), path.with_suffix(".png"))
+    print(f"wrote {path}" + (" and .png" if plotted else " (no plot: matplotlib is missing)"))
 
 
 if __name__ == "__main__":

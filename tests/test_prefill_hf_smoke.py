@@ -3,7 +3,10 @@ records, the table), and its ``--cpu-smoke`` run end to end with every variant (
 
 from __future__ import annotations
 
+import datetime
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +142,12 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads((tmp_path / "smoke_prefill_hf.json").read_text())
     assert [(case["tp"], case["tokens"]) for case in report["cases"]] == [(1, 32), (2, 32)]
+    # the header says which code ran, when and how: the grid picks each cell's newest run by it
+    assert report["command"] == " ".join(["python benchmarks/prefill_hf.py", *command[2:]])
+    assert datetime.datetime.fromisoformat(report["started"]).tzinfo is not None
+    if (ROOT / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", report["commit"]), report["commit"]
+    assert (tmp_path / "smoke_prefill_hf.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     traces = sorted(path.name for path in (tmp_path / "traces").iterdir())
     expected = [f"trace_qwen4_exp_bf16_tp{tp}_T32_{v}.json" for tp in (1, 2) for v in prefill_hf.VARIANTS]
     assert traces == sorted(expected)
