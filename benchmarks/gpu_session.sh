@@ -10,6 +10,9 @@
 #     bash benchmarks/gpu_session.sh scans-quick  # blocked_scans' GPU tests, the copy at two lengths, the module once
 #     bash benchmarks/gpu_session.sh generate   # generate() at real size: deepseek_v4 tp 8 (simulated), then tp 1
 #                                               # (GENERATE_TP=1 or 8: one of them, for a short device call)
+#     bash benchmarks/gpu_session.sh grid       # issue #27's prefill_hf cells not yet measured (prefill_hf_grid.py
+#                                               # --missing-commands), one run each, until GRID_BUDGET_S (default
+#                                               # 520) seconds are spent; JSONs, pngs and logs in $OUT/grid.tgz
 #     bash benchmarks/gpu_session.sh bench      # the benchmark model's three variants at simulated tp 2, 4, 8,
 #                                               # T = 16384 and 65536, one process per point (BENCH_TP=8 and/or
 #                                               # BENCH_POINTS=1024x16, BENCH_VARIANTS=...: fewer, for a short call;
@@ -18,8 +21,8 @@
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
 set -uo pipefail
 out=${OUT:?set OUT to the folder the results go to}
-case "${1:-}" in tests | prefill | scans | scans-quick | generate | bench) ;; *)
-    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans|scans-quick|generate|bench" >&2
+case "${1:-}" in tests | prefill | scans | scans-quick | generate | grid | bench) ;; *)
+    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans|scans-quick|generate|grid|bench" >&2
     exit 2
     ;;
 esac
@@ -76,6 +79,23 @@ generate)
         PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 290 python3 benchmarks/generate_hf.py --tp $tp --repeats 3 \
             --new-tokens 4 --out "$out/generate_hf_tp${tp}_$gpu.json" 2>&1 | tee "$out/generate_tp$tp.log" | tail -2
     done
+    ;;
+grid)
+    # the device call returns at most 8 files: every run's JSON, png and log go into one archive
+    mkdir -p "$out/grid"
+    budget=${GRID_BUDGET_S:-520}
+    began=$SECONDS
+    python3 benchmarks/prefill_hf_grid.py --missing-commands > "$out/grid/commands.txt"
+    while read -r args; do
+        left=$((budget - (SECONDS - began)))
+        if [ "$left" -lt 90 ]; then echo "grid: ${left}s left, stopping before: $args"; break; fi
+        tag=${args##*--tag }
+        echo "grid: $args (timeout ${left}s)"
+        PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout "$left" python3 benchmarks/prefill_hf.py $args \
+            --tag "${tag}_$gpu" --out "$out/grid" > "$out/grid/$tag.log" 2>&1
+        echo "grid: rc $? after $((SECONDS - began))s"; grep -E "^(qwen|deep|case)|vs hand|compute gain" "$out/grid/$tag.log"
+    done < "$out/grid/commands.txt"
+    tar czf "$out/grid.tgz" -C "$out" grid && rm -rf "$out/grid"
     ;;
 bench)
     # issue #27's first goal: hcpasses >= the hand-written SP in per-rank compute at tp 2, 4, 8 for T >= 16384
