@@ -6,6 +6,7 @@
     python tests/mutants/mutmut_score.py --floor 90      # fail below this score (percent)
     python tests/mutants/mutmut_score.py --scope passes  # canonical_forms.py and the SP region analysis (slower tests)
     python tests/mutants/mutmut_score.py --scope scans   # blocked_scans.py, judged by tests/test_blocked_scans.py
+    python tests/mutants/mutmut_score.py --scope region  # sp_rewrite/region.py alone
 
 Runs ``mutmut run`` from the repository root (mutmut writes its copy to ``mutants/``, ignored by git), reads each
 mutant's status back with ``mutmut results --all true``, and prints the score per module and the survivors, each
@@ -35,6 +36,11 @@ SCOPES: dict[str, dict[str, list[str]]] = {
     "passes": {
         "only_mutate": ["hcpasses/passes/canonical_forms.py", "hcpasses/passes/sp_rewrite/region.py"],
         "pytest_add_cli_args_test_selection": ["tests/test_canonical.py", "tests/test_sp_parts.py"],
+    },
+    # the SP region analysis alone (half the passes scope's mutants), judged by the analysis tests on captured graphs
+    "region": {
+        "only_mutate": ["hcpasses/passes/sp_rewrite/region.py"],
+        "pytest_add_cli_args_test_selection": ["tests/test_sp_parts.py"],
     },
     "tokens": {
         "only_mutate": ["hcpasses/passes/sp_rewrite/tokens.py"],
