@@ -359,6 +359,25 @@ def test_the_graph_text_is_made_only_for_a_dump(monkeypatch) -> None:
     assert report.record("gated_mean_quant").status == "applied"
 
 
+def refuses_to_run_again(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("a node the pass did not touch was run again")
+
+
+def test_a_resizing_pass_has_only_what_it_touched_re_propagated() -> None:
+    """The manager refreshes the fake values of the nodes a resizing pass touched and of what they feed, from the
+    state before the pass (README: it re-runs what the pass touched), never the whole graph: a node before the
+    rewrite that would fail if run again (here by raising; in a real graph, say, an op whose fake kernel is slow or
+    missing) does not make the pass roll back."""
+    graph = traced(model).graph
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    with graph.inserting_after(x):
+        opaque = graph.call_function(refuses_to_run_again, (x,))
+    opaque.meta["val"] = x.meta["val"]
+    report, _ = run([Spy("sp_rewrite", half_rows_into_the_mul, applied=1, resizes=True)], graph)
+    assert report.record("sp_rewrite").status == "applied", report.record("sp_rewrite").reason
+    assert tuple(first_node(graph, aten.add.Tensor).meta["val"].shape) == (2, 6)  # what the rewrite fed was
+
+
 def test_verification_starts_from_the_state_before_the_pass_or_its_own_propagation(monkeypatch) -> None:
     seen: list[object] = []
     real = manager_module.verify_graph
