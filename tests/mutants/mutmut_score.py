@@ -35,12 +35,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SCOPES: dict[str, dict[str, list[str]]] = {
     "passes": {
         "only_mutate": ["hcpasses/passes/canonical_forms.py", "hcpasses/passes/sp_rewrite/region.py"],
-        "pytest_add_cli_args_test_selection": ["tests/test_canonical.py", "tests/test_sp_parts.py"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_canonical.py",
+            "tests/test_sp_parts.py",
+            "tests/test_sp_region.py",
+        ],
     },
     # the SP region analysis alone (half the passes scope's mutants), judged by the analysis tests on captured graphs
     "region": {
         "only_mutate": ["hcpasses/passes/sp_rewrite/region.py"],
-        "pytest_add_cli_args_test_selection": ["tests/test_sp_parts.py"],
+        "pytest_add_cli_args_test_selection": ["tests/test_sp_parts.py", "tests/test_sp_region.py"],
     },
     "tokens": {
         "only_mutate": ["hcpasses/passes/sp_rewrite/tokens.py"],
