@@ -231,7 +231,7 @@ def chain() -> tuple[fx.Graph, list[fx.Node]]:
 
 
 def test_left_out_takes_a_refused_optional_node_and_the_optional_nodes_feeding_it() -> None:
-    _, (x, a, b, c, d, e) = chain()
+    _, (_, a, b, c, _, _) = chain()
     optional = {a, b, c}
     assert _left_out(NotShardable("refused", c), optional) == {a, b, c}
     assert _left_out(NotShardable("refused", a), optional) == {a}
