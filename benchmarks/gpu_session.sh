@@ -17,12 +17,14 @@
 #                                               # T = 16384 and 65536, one process per point (BENCH_TP=8 and/or
 #                                               # BENCH_POINTS=1024x16, BENCH_VARIANTS=...: fewer, for a short call;
 #                                               # BENCH_FP8=1: FP8 input projections)
+#     bash benchmarks/gpu_session.sh host       # delta_rule_host.py: one delta rule call's host and GPU time, level by
+#                                               # level (hcpasses op, transformers, fla, fla's kernels), tp 1 and 8
 #
 # Each step has its own timeout so that one stuck step leaves the others' logs; the logs land in $OUT.
 set -uo pipefail
 out=${OUT:?set OUT to the folder the results go to}
-case "${1:-}" in tests | prefill | scans | scans-quick | generate | grid | bench) ;; *)
-    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans|scans-quick|generate|grid|bench" >&2
+case "${1:-}" in tests | prefill | scans | scans-quick | generate | grid | bench | host) ;; *)
+    echo "usage: bash benchmarks/gpu_session.sh tests|prefill|scans|scans-quick|generate|grid|bench|host" >&2
     exit 2
     ;;
 esac
@@ -108,5 +110,9 @@ bench)
                 ${BENCH_FP8:+--fp8} --out "$out/$point" 2>&1 | tee "$out/bench_tp${tp}_$point${BENCH_FP8:+_fp8}.log" | tail -6
         done
     done
+    ;;
+host)
+    PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 200 python3 benchmarks/delta_rule_host.py --tp 1,8 \
+        --out "$out/delta_rule_host_$gpu.json" 2>&1 | tee "$out/host.log" | grep -E "^tp "
     ;;
 esac
