@@ -67,9 +67,7 @@ def levels(device: torch.device) -> tuple[dict[str, Callable[[Inputs], torch.Ten
     """The callers to time, outermost first, and the reason for each level left out."""
     module = importlib.import_module(MODULE)
     chosen: dict[str, Callable[[Inputs], torch.Tensor]] = {
-        "hcpasses_op": lambda x: torch.ops.hcpasses.chunk_gated_delta_rule(
-            MODULE, *x, None, False, True, None
-        )[0],
+        "hcpasses_op": lambda x: torch.ops.hcpasses.chunk_gated_delta_rule(MODULE, *x, None, False, True, None)[0],
         "transformers": lambda x: module.torch_chunk_gated_delta_rule(
             *x[:3], g=x[3], beta=x[4], use_qk_l2norm_in_kernel=True
         )[0],
