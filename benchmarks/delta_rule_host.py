@@ -23,7 +23,8 @@ GPU idle: what the host spends launching), ``gpu_us`` (CUDA events around the sa
 (``--repeats`` calls with no synchronisation, per call: the larger of host and GPU sets it), ``host_bound`` (host
 above GPU time) and the kernels per call (``torch.profiler``). The fla levels need fla and CUDA and are left out,
 with the reason, where either is missing. Every level's output must equal the outermost level's (the run stops
-otherwise). ``--cpu-smoke``: tiny sizes on CPU, the torch reference levels only: the plumbing.
+otherwise), except ``fla_one_kernel``'s, which is one l2norm of q and not the rule's. ``--cpu-smoke``: tiny sizes
+on CPU, the torch reference levels only: the plumbing.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ import hcpasses.hf.delta_rule_op  # noqa: F401  # registers torch.ops.hcpasses.c
 MODULE = "transformers.models.qwen4_exp.modeling_qwen4_exp"
 KEY_HEADS, VALUE_HEADS, HEAD_DIM = 16, 32, 128  # qwen4_exp's real config (linear_num_key_heads, ...)
 SMOKE = {"tokens": 128, "key_heads": 2, "value_heads": 4, "head_dim": 8}
+# levels that run a part of the delta rule (one l2norm of q): their output is not the rule's, so it is not checked
+PART_LEVELS = frozenset({"fla_one_kernel"})
 
 Inputs = tuple[torch.Tensor, ...]
 
@@ -140,7 +143,7 @@ def run_case(tp: int, tokens: int, shape: dict[str, int], device: torch.device, 
             out = level(x)
         if reference is None:
             reference = out
-        elif not torch.allclose(out.float(), reference.float(), atol=2e-2, rtol=2e-2):
+        elif name not in PART_LEVELS and not torch.allclose(out.float(), reference.float(), atol=2e-2, rtol=2e-2):
             raise SystemExit(f"{name}'s output differs from {next(iter(chosen))}'s by {(out - reference).abs().max()}")
         case["levels"][name] = {
             **timed(lambda level=level: level(x), repeats, device),
