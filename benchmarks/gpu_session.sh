@@ -13,6 +13,7 @@
 #     bash benchmarks/gpu_session.sh grid       # issue #27's prefill_hf cells not yet measured (prefill_hf_grid.py
 #                                               # --missing-commands), one run each, until GRID_BUDGET_S (default
 #                                               # 520) seconds are spent; JSONs, pngs and logs in $OUT/grid.tgz
+#                                               # (GRID_ONLY=<regex>: only the runs whose tag matches it)
 #     bash benchmarks/gpu_session.sh bench      # the benchmark model's three variants at simulated tp 2, 4, 8,
 #                                               # T = 16384 and 65536, one process per point (BENCH_TP=8 and/or
 #                                               # BENCH_POINTS=1024x16, BENCH_VARIANTS=...: fewer, for a short call;
@@ -87,7 +88,8 @@ grid)
     mkdir -p "$out/grid"
     budget=${GRID_BUDGET_S:-520}
     began=$SECONDS
-    python3 benchmarks/prefill_hf_grid.py --missing-commands > "$out/grid/commands.txt"
+    python3 benchmarks/prefill_hf_grid.py --missing-commands | grep -E -- "--tag .*(${GRID_ONLY:-})" \
+        > "$out/grid/commands.txt"
     while read -r args; do
         left=$((budget - (SECONDS - began)))
         if [ "$left" -lt 90 ]; then echo "grid: ${left}s left, stopping before: $args"; break; fi
