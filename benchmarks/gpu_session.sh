@@ -17,7 +17,7 @@
 #     bash benchmarks/gpu_session.sh bench      # the benchmark model's three variants at simulated tp 2, 4, 8,
 #                                               # T = 16384 and 65536, one process per point (BENCH_TP=8 and/or
 #                                               # BENCH_POINTS=1024x16, BENCH_VARIANTS=...: fewer, for a short call;
-#                                               # BENCH_FP8=1: FP8 input projections)
+#                                               # BENCH_FP8=1: FP8 input projections; BENCH_KERNELS=1: kernels by kind)
 #     bash benchmarks/gpu_session.sh host       # delta_rule_host.py: one delta rule call's host and GPU time, level by
 #                                               # level (hcpasses op, transformers, fla, fla's kernels), tp 1 and 8
 #
@@ -109,7 +109,7 @@ bench)
         for point in ${BENCH_POINTS:-1024x16 1024x64}; do
             PYTHONPATH=.:benchmarks timeout 300 python3 benchmarks/prefill_sp.py --simulate --tp $tp \
                 --points $point --variants ${BENCH_VARIANTS:-sp_off,hcpasses_sp,handwritten_sp} --layers 4 --dynamic \
-                ${BENCH_FP8:+--fp8} --out "$out/$point" 2>&1 | tee "$out/bench_tp${tp}_$point${BENCH_FP8:+_fp8}.log" | tail -6
+                ${BENCH_FP8:+--fp8} ${BENCH_KERNELS:+--kernels} --out "$out/$point" 2>&1 | tee "$out/bench_tp${tp}_$point${BENCH_FP8:+_fp8}.log" | tail -6
         done
     done
     ;;

@@ -46,6 +46,10 @@ which only checks the plumbing); the ratio sharded / unsharded is the HC time go
 and copy ceilings (a bf16 GEMM, a device-to-device copy) are measured in the same run, and each point's
 per-rank FLOPs are counted (``flops_per_rank``).
 
+``--kernels``: each variant's kernels of rank 0, profiled over ``--repeats`` more calls, summed by name and by kind
+(Inductor's Triton pointwise, reduction and template kernels, library GEMMs, copies, the rest), per forward: where
+two variants' times differ, which kernels differ (printed side by side, in the JSON as ``kernel_profile_rank0``).
+
 Writes ``prefill_sp_tp{tp}.json`` and ``.png`` (``smoke_`` prefixed for ``--cpu-smoke``, ``_fp8`` after the tp for
 ``--fp8``, ``_simulated`` for ``--simulate``) to ``--out``.
 """
@@ -129,6 +133,7 @@ class Settings:
     simulate: bool = False
     sim_rank: int = 0
     link_gbps: float = NVLINK_GBPS_PER_DIRECTION
+    kernels: bool = False
 
     def config(self) -> HCConfig:
         """Real sizes, bf16 (tiny fp32 for the smoke run)."""
@@ -209,6 +214,53 @@ def profiled_ms(step: Callable[[int], Any], repeats: int, device: torch.device) 
     return total_us / repeats / 1e3
 
 
+# kinds of kernel, first match wins: Inductor's Triton kernels by their name's prefix, library kernels by a word
+KERNEL_KINDS = (
+    ("triton pointwise", ("triton_poi",)),
+    ("triton reduction", ("triton_red", "triton_per")),
+    ("triton template", ("triton_tem",)),
+    ("library GEMM", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas", "mm")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel (or, on CPU, an op) by its name; ``other`` where none matches."""
+    lowered = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(word in lowered for word in words)), "other")
+
+
+def kernel_profile(step: Callable[[int], Any], repeats: int, device: torch.device) -> dict[str, Any]:
+    """Per forward: GPU kernel microseconds and launches by kernel name and by kind (on CPU: ops' self time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for i in range(repeats):
+            step(i)
+        _sync(device)
+    kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    by_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == kind:
+            us = event.time_range.elapsed_us() if on_gpu else event.self_cpu_time_total
+            entry = by_name.setdefault(event.name, [0.0, 0])
+            entry[0] += us / repeats
+            entry[1] += 1 / repeats
+    by_kind: dict[str, float] = {}
+    for name, (us, _) in by_name.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us
+    ranked = sorted(by_name.items(), key=lambda item: item[1][0], reverse=True)
+    return {
+        "total_us": sum(us for us, _ in by_name.values()),
+        "launches": sum(count for _, count in by_name.values()),
+        "by_kind_us": dict(sorted(by_kind.items())),
+        "by_name": [{"name": name, "us": us, "launches": count} for name, (us, count) in ranked],
+    }
+
+
 def measure_ceilings(device: torch.device, smoke: bool) -> dict[str, float]:
     """Measured bf16 GEMM TFLOP/s (8192^3) and device-to-device copy GB/s (1 GiB read + written)."""
     n, numel = (256, 1 << 20) if smoke else (8192, 1 << 29)
@@ -272,6 +324,8 @@ def run_point(
             "reports": report_summary(backend, seen),
             "logits": logits.float().cpu(),
         }
+        if settings.kernels:
+            result["kernel_profile"] = kernel_profile(step, settings.repeats, device)
         if ledger is not None:
             ledger.clear()
             step(0)
@@ -443,6 +497,8 @@ def variant_row(settings: Settings, point: Point, variant: str, per_rank: list[d
     }
     if "rel_diff_vs_sp_off" in results[0]:
         row["rel_diff_vs_sp_off"] = max(r["rel_diff_vs_sp_off"] for r in results)
+    if "kernel_profile" in results[0]:
+        row["kernel_profile_rank0"] = results[0]["kernel_profile"]
     if "comm_ms" in results[0]:
         row |= {"comm_ms": results[0]["comm_ms"], "estimated_ms": ms + results[0]["comm_ms"]}
         row["collectives"] = results[0]["collectives"]
@@ -579,10 +635,28 @@ def table(summary: dict[str, Any]) -> str:
         if summary["simulated_tp"]:
             estimates = "".join(f"{r['variants'][v]['estimated_ms']:>18.3f}" for v in variants)
             lines.append(f"{'+ comm':>10} {'':>7} {estimates}  (ring model, no overlap)")
+    lines.extend(kernel_table(summary))
     for tokens, r in summary["hc_only"].items():
         lines.append(f"HC chain T={tokens}: sharded/unsharded kernel time {r['ratio']:.3f} (rows {r['sharded_rows']})")
     lines.extend(f"goal {name}: {json.dumps(goal)}" for name, goal in summary["goals"].items())
     return "\n".join(lines)
+
+
+def kernel_table(summary: dict[str, Any]) -> list[str]:
+    """Each point's kernel microseconds per forward by kind, the variants side by side (``--kernels`` runs only)."""
+    lines = []
+    for r in summary["points"]:
+        profiles = {v: row["kernel_profile_rank0"] for v, row in r["variants"].items() if "kernel_profile_rank0" in row}
+        if not profiles:
+            continue
+        lines.append(f"kernels at {r['point']}, us per forward: " + "  ".join(f"{v:>18}" for v in profiles))
+        kinds = sorted({kind for profile in profiles.values() for kind in profile["by_kind_us"]})
+        for kind in kinds:
+            cells = "  ".join(f"{profile['by_kind_us'].get(kind, 0.0):>18.1f}" for profile in profiles.values())
+            lines.append(f"{kind:>35} {cells}")
+        totals = "  ".join(f"{p['total_us']:>10.1f} ({p['launches']:>5.0f})" for p in profiles.values())
+        lines.append(f"{'total (launches)':>35} {totals}")
+    return lines
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace]:
@@ -603,6 +677,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
     parser.add_argument("--simulate", action="store_true", help="one GPU plays one rank of --tp (simulated_tp.py)")
     parser.add_argument("--rank", type=int, default=0, help="the rank --simulate plays (default 0)")
     parser.add_argument("--link-gbps", type=float, default=NVLINK_GBPS_PER_DIRECTION, help="--simulate's comm model")
+    parser.add_argument("--kernels", action="store_true", help="profile each variant's kernels by name and kind")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--timeout", type=float, default=3000.0, help="seconds before the ranks are killed")
     args = parser.parse_args(argv)
@@ -627,6 +702,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
         simulate=args.simulate,
         sim_rank=args.rank,
         link_gbps=args.link_gbps,
+        kernels=args.kernels,
     )
     return settings, args
 
