@@ -133,7 +133,16 @@ def timed(call: Callable[[], Any], repeats: int, device: torch.device) -> dict[s
     }
 
 
-def run_case(tp: int, tokens: int, shape: dict[str, int], device: torch.device, warmup: int, repeats: int) -> dict:
+def run_case(
+    tp: int,
+    tokens: int,
+    shape: dict[str, int],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    measured: Callable[[dict[str, Any], str], None] | None = None,
+) -> dict[str, Any]:
+    """Every level at one shape; ``measured(case, level)`` after each level (the case so far)."""
     x = make_inputs(tokens, shape["key_heads"], shape["value_heads"], shape["head_dim"], device)
     chosen, left_out = levels(device)
     case: dict[str, Any] = {"tp": tp, "tokens": tokens, **shape, "levels": {}, "left_out": left_out}
@@ -149,6 +158,8 @@ def run_case(tp: int, tokens: int, shape: dict[str, int], device: torch.device, 
             **timed(lambda level=level: level(x), repeats, device),
             "kernels": profiled(lambda level=level: level(x), 3, device)["kernels"],
         }
+        if measured is not None:
+            measured(case, name)
     return case
 
 
@@ -172,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(sys.argv),
         "cases": [],
     }
+
+    def measured(case: dict[str, Any], name: str) -> None:
+        # each level printed and kept as it is measured: a time-limited call that ends the run keeps what it got
+        if not any(known is case for known in result["cases"]):
+            result["cases"].append(case)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"tp {case['tp']} T {case['tokens']} {name}: {case['levels'][name]}")
+
     for tp in (int(t) for t in args.tp.split(",")):
         if args.cpu_smoke:
             tokens, shape = SMOKE["tokens"], {k: v for k, v in SMOKE.items() if k != "tokens"}
@@ -181,10 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens = args.tokens
             shape = {"key_heads": KEY_HEADS // tp, "value_heads": VALUE_HEADS // tp, "head_dim": HEAD_DIM}
         with torch.no_grad():
-            result["cases"].append(run_case(tp, tokens, shape, device, args.warmup, args.repeats))
-        args.out.write_text(json.dumps(result, indent=1))  # kept so far, should a time-limited call end it
-        for name, level in result["cases"][-1]["levels"].items():
-            print(f"tp {tp} T {tokens} {name}: {level}")
+            run_case(tp, tokens, shape, device, args.warmup, args.repeats, measured)
     return 0
 
 

@@ -80,3 +80,20 @@ def test_the_one_kernel_level_is_timed_without_the_rule_check(
     shape = {"key_heads": 2, "value_heads": 4, "head_dim": 8}
     case = bench.run_case(1, 64, shape, torch.device("cpu"), 1, 1)
     assert list(case["levels"]) == ["transformers", "fla_one_kernel"]
+
+
+def test_a_run_that_stops_keeps_the_levels_measured_before(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each level is written and printed when measured: the H100 run of 2026-12-07 stopped at its last level and, with
+    the JSON written per case, kept none of the four levels measured before."""
+    real = bench.levels(torch.device("cpu"))[0]["transformers"]
+    chosen = {"transformers": real, "twice": real, "wrong": lambda x: real(x) + 1.0}
+    monkeypatch.setattr(bench, "levels", lambda device: (chosen, {}))
+    out = tmp_path / "partial.json"
+    with pytest.raises(SystemExit, match="wrong's output differs"):
+        bench.main(["--cpu-smoke", "--tp", "1", "--repeats", "2", "--warmup", "1", "--out", str(out)])
+    (case,) = json.loads(out.read_text())["cases"]
+    assert list(case["levels"]) == ["transformers", "twice"]
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed] == ["tp 1 T 128 transformers", "tp 1 T 128 twice"]
