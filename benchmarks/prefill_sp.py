@@ -251,7 +251,8 @@ def kernel_profile(step: Callable[[int], Any], repeats: int, device: torch.devic
             entry[1] += 1 / repeats
     by_kind: dict[str, float] = {}
     for name, (us, _) in by_name.items():
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us
+        kind_of_name = kernel_kind(name)
+        by_kind[kind_of_name] = by_kind.get(kind_of_name, 0.0) + us
     ranked = sorted(by_name.items(), key=lambda item: item[1][0], reverse=True)
     return {
         "total_us": sum(us for us, _ in by_name.values()),

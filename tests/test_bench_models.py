@@ -352,7 +352,7 @@ def test_bench_sequences_are_independent_and_causal() -> None:
 def test_prefill_benchmark_cpu_smoke(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "benchmarks/prefill_sp.py", "--cpu-smoke", "--layers", "1", "--repeats", "2"]
-    command += ["--warmup", "0", "--out", str(tmp_path)]
+    command += ["--warmup", "0", "--kernels", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((tmp_path / "smoke_prefill_sp_tp2.json").read_text())
@@ -361,6 +361,9 @@ def test_prefill_benchmark_cpu_smoke(tmp_path: Path) -> None:
         assert set(row["variants"]) == {"sp_off", "hcpasses_sp", "handwritten_sp"}
         for result in row["variants"].values():
             assert result["ms"] > 0 and result["rel_diff_vs_sp_off"] < 1e-5
+            kernels = result["kernel_profile_rank0"]  # --kernels: rank 0's ops by name and kind
+            assert kernels["total_us"] > 0 and kernels["launches"] > 0 and kernels["by_name"]
+        assert f"kernels at {row['point']}, us per forward:" in done.stdout
     assert summary["hc_only"]["32"]["sharded_rows"] == 16
     assert set(summary["goals"]) == {
         "hc_time_ratio_at_largest_T",
