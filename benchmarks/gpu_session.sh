@@ -13,7 +13,10 @@
 #     bash benchmarks/gpu_session.sh grid       # issue #27's prefill_hf cells not yet measured (prefill_hf_grid.py
 #                                               # --missing-commands), one run each, until GRID_BUDGET_S (default
 #                                               # 520) seconds are spent; JSONs, pngs and logs in $OUT/grid.tgz
-#                                               # (GRID_ONLY=<regex>: only the runs whose tag matches it)
+#                                               # (GRID_ONLY=<regex>: only the runs whose tag matches it). The
+#                                               # missing cells are read from the carried benchmarks/results: put
+#                                               # a call's JSONs there before the next grid call, or it measures
+#                                               # them again (2026-12-07: 160 s of device time spent so)
 #     bash benchmarks/gpu_session.sh bench      # the benchmark model's three variants at simulated tp 2, 4, 8,
 #                                               # T = 16384 and 65536, one process per point (BENCH_TP=8 and/or
 #                                               # BENCH_POINTS=1024x16, BENCH_VARIANTS=...: fewer, for a short call;
