@@ -170,6 +170,9 @@ def test_exits_are_the_sub_layer_inputs_and_the_mixer_output_and_a_returned_stat
     for returned in (False, True):
         plan = analysed(lambda: HCDecoder(DECODER), (ids, returned)).plan
         [region] = plan.regions
+        # an all-reduce's result holds its tokens where its partial sum does (the emission shards both the same way)
+        assert [region.dims[m.wait] for m in region.reduces] == [region.dims[m.partial] for m in region.reduces]
+        assert {region.dims[m.partial] for m in region.reduces} == {1}
         wide = [exit for exit in region.exits if exit.stream_wide]
         assert len(region.exits) == 2 * LAYERS + 1 + returned
         assert len(wide) == returned

@@ -93,6 +93,10 @@ IDENTITY_PERMUTE = "where the scanned dim is already last, the order is the iden
 SLICE_FROM_NONE = "a slice from None starts at 0"
 SAME_FLOAT = "float() parses the spelling case-insensitively: the same infinity"
 OVERWRITTEN = "every entry of the list is assigned in the loop after it"
+GRAPH_ORDER = (
+    "an fx.Node orders itself by its place in its graph (torch._C._NodeBase.__lt__), the order self.order holds: the "
+    "analysis does not edit the graph"
+)
 WHOLE_ROW = "a block of the whole row asks Inductor what the gate asked, which split: it never fits either way"
 
 # Survivors no test can kill, one line each (mutmut's name: why). Names carry a number per function: an edit of
@@ -118,6 +122,10 @@ EQUIVALENT: dict[str, str] = {
     "hcpasses.manager.xǁPassManagerǁ__init____mutmut_19": SEPARATOR,
     "hcpasses.manager.xǁPassManagerǁ_run_one__mutmut_40": NO_DUMP_TEXT,
     "hcpasses.manager.xǁPassManagerǁuuid__mutmut_5": NO_GROUP,
+    "hcpasses.passes.sp_rewrite.region.xǁ_RegionBuilderǁ_check_partial_sum__mutmut_15": GRAPH_ORDER,
+    "hcpasses.passes.sp_rewrite.region.xǁ_RegionBuilderǁ_halos__mutmut_5": GRAPH_ORDER,
+    "hcpasses.passes.sp_rewrite.region.xǁ_RegionBuilderǁ_region__mutmut_75": GRAPH_ORDER,
+    "hcpasses.passes.sp_rewrite.region.xǁ_RegionBuilderǁ_sources__mutmut_10": GRAPH_ORDER,
     "hcpasses.verify.x__check_value__mutmut_14": ZIP,
     "hcpasses.verify.x__check_value__mutmut_17": ZIP,
     "hcpasses.verify.x__check_value__mutmut_18": ZIP,
