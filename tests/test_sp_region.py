@@ -207,6 +207,31 @@ def test_a_final_step_across_the_tokens_stays_outside_and_a_slice_of_every_row_s
     assert why.endswith("keeps 5 of 9 rows: 2 copies of them are no fewer than all rows"), why
 
 
+def test_a_tensor_index_of_a_few_rows_reads_every_row_and_says_why() -> None:
+    indexed = user_hc(keep=1, tail="index")  # hidden[arange(T - 1, T)]: which rows is a run-time value
+    [region] = indexed.regions
+    assert indexed.cuts == () and region.tail == 0 and not any(exit.kept for exit in region.exits)
+    [why] = region.unkept
+    assert why == "index_1 a tensor index keeping 1 of 16 rows: only slices and selects by static bounds are narrowed"
+
+
+@pytest.mark.parametrize(("min_tokens", "kept"), [(4, False), (8, True)])
+def test_with_a_symbolic_count_kept_rows_pay_only_from_sp_min_tokens(min_tokens: int, kept: bool) -> None:
+    """3 kept rows, gathered from 2 ranks, are fewer than N only where every sharded call has N > 6 tokens."""
+    build = functools.partial(UserHC, "rsqrt", LAYERS, None, torch.float32, TP, 0, keep=3, tail="norm")
+    plan = analysed(build, (ids_of(16),), dynamic=True, min_tokens=min_tokens).plan
+    [region] = plan.regions
+    assert plan.cuts == () and not isinstance(plan.tokens, int)
+    if kept:
+        [exit] = [exit for exit in region.exits if exit.kept]
+        [rows] = exit.kept
+        assert (rows.count, rows.from_end, rows.dim) == (3, True, 0) and region.unkept == () and region.tail > 0
+    else:
+        assert not any(exit.kept for exit in region.exits) and region.tail == 0
+        [why] = region.unkept
+        assert why == "slice_1 keeps 3 of as few as 4 rows: 2 copies of them are no fewer than all rows"
+
+
 def test_a_sub_layers_norm_before_bf16_gemms_joins_the_region_only_where_it_narrows_the_gather() -> None:
     narrowed = user_hc(prologue="norm_bf16")
     [region] = narrowed.regions
