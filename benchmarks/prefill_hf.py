@@ -19,9 +19,8 @@ Variants, each compiled with static shapes from a fresh Dynamo state for every c
 - ``hcpasses_sp``: ``hcpasses.backend(sp_rewrite=True, sp_min_tokens=...)``;
 - ``handwritten_sp``: ``torch.compile(backend="inductor")`` on the same sharded model (same weights) with sequence
   parallelism written by hand (``handwritten_sp_hf.py``, issue #27's fourth variant: what a serving team writes,
-  the anchor hcpasses' SP must match or beat). qwen4_exp only: for deepseek_v4 the variant records the
-  ``ValueError`` that says so. It gathers only the last token's row at the exit (``logits_to_keep=1``), and with
-  ``fp8`` it gathers x unquantised (its docstring says why).
+  the anchor hcpasses' SP must match or beat), for qwen4_exp and deepseek_v4. It gathers only the last token's row
+  at the exit (``logits_to_keep=1``), and with ``fp8`` it gathers x unquantised (its docstring says why).
 
 ``hcpasses_vs_handwritten`` = the hand-written variant's ms / ``hcpasses_sp``'s ms, for kernel and wall time (above 1:
 hcpasses is faster).

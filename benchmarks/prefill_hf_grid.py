@@ -129,21 +129,26 @@ def missing(rows: dict[Cell, Run]) -> list[Cell]:
     return [cell for cell in grid if cell not in rows]
 
 
+def unanchored(rows: dict[Cell, Run]) -> list[Cell]:
+    """The measured cells whose row has no hand-written SP beside hcpasses' (deepseek_v4 had none before 2026-12-07)."""
+    return [cell for cell, run in rows.items() if run.variant("handwritten_sp") is None]
+
+
 GRID_LAYERS = {"qwen4_exp": 3, "deepseek_v4": 2}  # what fits a device call (4 qwen4_exp layers do not: BENCHMARKS)
-GRID_VARIANTS = {"qwen4_exp": COMPARED, "deepseek_v4": ("sp_off", "hcpasses_sp")}  # no hand-written SP of deepseek_v4
 
 
 def missing_commands(rows: dict[Cell, Run]) -> list[str]:
-    """``prefill_hf.py`` arguments that measure the missing cells, one run per model, dtype and tp (one model build
-    serves its T): qwen4_exp first, then tp 8, 4, 2 and tp 1 last (SP's goals are at tp > 1), bf16 before fp8."""
+    """``prefill_hf.py`` arguments that measure the missing cells and those measured without the hand-written SP,
+    one run per model, dtype and tp (one model build serves its T): qwen4_exp first, then tp 8, 4, 2 and tp 1 last
+    (SP's goals are at tp > 1), bf16 before fp8."""
     groups: dict[tuple[str, str, int], list[int]] = {}
-    for cell in missing(rows):
+    for cell in missing(rows) + unanchored(rows):
         groups.setdefault((cell.model, cell.dtype, cell.tp), []).append(cell.tokens)
     order = {m: i for i, m in enumerate(MODELS)}
     keys = sorted(groups, key=lambda k: (order[k[0]], k[2] == 1, -k[2], DTYPES.index(k[1])))
     return [
         f"--models {model} --layers {GRID_LAYERS[model]} --dtypes {dtype} --tp {tp} "
-        f"--tokens {','.join(map(str, sorted(groups[model, dtype, tp])))} --variants {','.join(GRID_VARIANTS[model])} "
+        f"--tokens {','.join(map(str, sorted(groups[model, dtype, tp])))} --variants {','.join(COMPARED)} "
         f"--warmup 1 --repeats 3 --tag grid_{model}_{dtype}_tp{tp}"
         for model, dtype, tp in keys
     ]
@@ -240,6 +245,9 @@ def markdown(runs: Sequence[Run]) -> str:
     if gaps:
         named = ", ".join(label(c) for c in gaps)
         lines += ["", f"Not measured ({len(gaps)} of {len(gaps) + len(rows)} cells): {named}."]
+    if alone := [cell for cell in cells if cell in unanchored(rows)]:
+        named = ", ".join(label(c) for c in alone)
+        lines += ["", f"Measured without the hand-written SP beside hcpasses': {named}."]
     return "\n".join(lines)
 
 

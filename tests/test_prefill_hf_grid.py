@@ -156,7 +156,7 @@ def test_speedup_is_sp_offs_compute_over_the_variants_within_one_run(tmp_path: P
 
 def test_the_missing_cells_become_one_prefill_hf_run_per_model_dtype_and_tp_tp_1_last(tmp_path: Path) -> None:
     every = [
-        case(model=m, dtype=d, tp=tp, tokens=t, sp_off=variant(1, 1))
+        case(model=m, dtype=d, tp=tp, tokens=t, sp_off=variant(1, 1), handwritten_sp=variant(1, 1))
         for m in grid.MODELS
         for d in grid.DTYPES
         for tp in grid.TPS
@@ -177,7 +177,25 @@ def test_the_missing_cells_become_one_prefill_hf_run_per_model_dtype_and_tp_tp_1
         "--models qwen4_exp --layers 3 --dtypes bf16 --tp 1 --tokens 16384,65536",
         "--models deepseek_v4 --layers 2 --dtypes bf16 --tp 8 --tokens 16384,65536",
     ]
-    assert "--variants sp_off,hcpasses_sp,handwritten_sp " in commands[0]
+    assert all(" --variants sp_off,hcpasses_sp,handwritten_sp " in command for command in commands)
     assert commands[0].endswith("--tag grid_qwen4_exp_fp8_tp8")
-    assert "--variants sp_off,hcpasses_sp " in commands[3]  # no hand-written SP of deepseek_v4
     assert grid.missing_commands(grid.newest(grid.load([report(tmp_path / "prefill_hf_all.json", every)]))) == []
+
+
+def test_a_cell_measured_without_the_hand_written_sp_is_measured_again_and_named(tmp_path: Path) -> None:
+    anchored = case(model="deepseek_v4", tp=8, tokens=16384, sp_off=variant(9, 9), handwritten_sp=variant(8, 8))
+    alone = case(model="deepseek_v4", tp=4, tokens=65536, sp_off=variant(9, 9), hcpasses_sp=variant(7, 7))
+    failed = case(model="deepseek_v4", tp=2, tokens=16384, sp_off=variant(9, 9), hcpasses_sp=variant(7, 7))
+    failed["variants"]["handwritten_sp"] = {"error": "RuntimeError: out of memory"}
+    rows = grid.newest(grid.load([report(tmp_path / "prefill_hf_a.json", [anchored, alone, failed])]))
+    assert set(grid.unanchored(rows)) == {
+        grid.Cell("deepseek_v4", "bf16", 4, 65536),
+        grid.Cell("deepseek_v4", "bf16", 2, 16384),
+    }
+    commands = [c.split(" --variants")[0] for c in grid.missing_commands(rows)]
+    assert "--models deepseek_v4 --layers 2 --dtypes bf16 --tp 4 --tokens 16384,65536" in commands  # missing + alone
+    assert "--models deepseek_v4 --layers 2 --dtypes bf16 --tp 2 --tokens 16384,65536" in commands
+    assert "--models deepseek_v4 --layers 2 --dtypes bf16 --tp 8 --tokens 65536" in commands  # the anchored T stays
+    text = grid.markdown(grid.load([report(tmp_path / "prefill_hf_a.json", [anchored, alone, failed])]))
+    named = "deepseek_v4 bf16 tp 2 T = 16384, deepseek_v4 bf16 tp 4 T = 65536"
+    assert f"Measured without the hand-written SP beside hcpasses': {named}." in text
