@@ -1,0 +1,142 @@
+"""``hcpasses.hf.qsa_selection_op``: qwen4_exp's QSA token selection as one custom op under ``torch.compile``.
+
+The op's selections are the method's, bit for bit, on the arguments a real forward passes it (captured from eager
+forwards of the tiny model: one and two sequences, a sequence shorter than one compressed block, the bool mask of
+sdpa and the float mask of eager attention); inside ``eager_kernels_under_compile()`` the whole tiny model is one
+Dynamo graph with one op per indexed-attention layer, compiled or not equal to eager; what the op does not cover
+goes to the method; the context restores the class on exit.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+from hf_cases import FAMILIES, token_ids
+from torch import fx
+from transformers.models.qwen4_exp import modeling_qwen4_exp
+
+from hcpasses.hf import eager_kernels_under_compile, qsa_selection_as_one_op
+
+MODULE = "transformers.models.qwen4_exp.modeling_qwen4_exp"
+INDEXER = modeling_qwen4_exp.Qwen4ExpTextQSAIndexer
+OP = torch.ops.hcpasses.qsa_select_tokens
+# one GatedDeltaNet layer then the indexed-attention layer: the smallest model with both (and with a cache)
+TWO_LAYERS = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "indexed_attention"], "ple_layer_ids": []}
+
+
+def captured_selections(ids: torch.Tensor, float_mask: bool = False) -> list[tuple[torch.nn.Module, tuple]]:
+    """``(indexer, args)`` of every call of the selection in one eager forward of the tiny model on ``ids``."""
+    model = FAMILIES["qwen4_exp"](**TWO_LAYERS)
+    original = INDEXER._select_tokens
+    calls = []
+
+    def spy(self: torch.nn.Module, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        if float_mask:  # eager attention's additive mask: 0 where visible
+            args = (*args[:-1], torch.zeros(args[-1].shape).masked_fill(~args[-1], torch.finfo(torch.float32).min))
+        calls.append((self, args))
+        return original(self, *args, **kwargs)
+
+    with mock.patch.object(INDEXER, "_select_tokens", spy), torch.no_grad():
+        model(ids)
+    return calls
+
+
+def op_args(indexer: torch.nn.Module, args: tuple) -> tuple:
+    norm = indexer.k_layernorm
+    return (MODULE, type(norm).__name__, *args, norm.weight, norm.eps, indexer.token_budget, indexer.compress_ratio)
+
+
+@pytest.mark.parametrize(
+    ("ids", "float_mask"),
+    [
+        (token_ids(1, seed=1), False),
+        (token_ids(2, seed=2), False),  # two sequences: the method's outer loop
+        (token_ids(1, seed=3)[:, :3], False),  # shorter than one block of 4: no block to score
+        (token_ids(1, seed=4), True),
+    ],
+    ids=["one", "two", "short", "float-mask"],
+)
+def test_the_op_is_the_method_bit_for_bit_and_its_fake_agrees(ids: torch.Tensor, float_mask: bool) -> None:
+    ((indexer, args),) = captured_selections(ids, float_mask)
+    want = INDEXER._select_tokens(indexer, *args)
+    got = OP(*op_args(indexer, args))
+    assert got.dtype == torch.bool and got.is_contiguous()
+    assert got.shape == (ids.shape[0], 1, ids.shape[1], args[-1].shape[-1])
+    assert torch.equal(got, want)
+    assert want.any() and not want.all()  # a selection, not everything or nothing
+    torch.library.opcheck(OP, op_args(indexer, args), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_inside_the_context_the_model_is_one_graph_with_one_op_per_indexed_layer() -> None:
+    model = FAMILIES["qwen4_exp"]()  # 3 GatedDeltaNet layers (PLE in one) and the indexed-attention layer
+    ids = token_ids(1, seed=5)
+    with torch.no_grad():
+        expected = model(ids).logits
+    graphs: list[fx.GraphModule] = []
+
+    def record(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with eager_kernels_under_compile() as patched, torch.no_grad():
+        recorded = torch.compile(model, backend=record)(ids).logits
+    assert patched["qsa_selection_op"] == [MODULE]
+    assert len(graphs) == 1  # no break in the indexer (test_compile.py: one per query position without the op)
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count(OP) == 1, targets
+    assert torch.nonzero not in targets
+    torch.testing.assert_close(recorded, expected, rtol=0, atol=0)
+
+
+def test_inductor_compiles_the_op_as_an_extern_call() -> None:
+    model = FAMILIES["qwen4_exp"](**TWO_LAYERS)
+    ids = token_ids(1, seed=6)
+    torch._dynamo.reset()
+    with eager_kernels_under_compile(), torch.no_grad():
+        expected = model(ids).logits
+        actual = torch.compile(model, backend="inductor")(ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_what_the_op_does_not_cover_goes_to_the_method() -> None:
+    ((indexer, args),) = captured_selections(token_ids(1, seed=7))
+    mask = INDEXER._select_tokens(indexer, *args)
+    method = mock.Mock(return_value=mask)
+    with mock.patch.object(INDEXER, "_select_tokens", method), qsa_selection_as_one_op():
+        assert INDEXER._select_tokens is not method and INDEXER._select_tokens.replaced_method is method
+        assert torch.equal(indexer._select_tokens(*args), mask)
+        (called_on, *_), _ = method.call_args
+        assert isinstance(called_on, SimpleNamespace)  # the op's stand-in, with the indexer's fields
+        assert (called_on.token_budget, called_on.compress_ratio, called_on.block_topk) == (8, 4, 2)
+        assert called_on.index_head_dim == 16 and torch.equal(called_on.k_layernorm.weight, indexer.k_layernorm.weight)
+        indexer.block_topk = 3  # not budget // ratio: the stand-in would not be this indexer
+        assert torch.equal(indexer._select_tokens(*args), mask)
+        (called_on, *_), _ = method.call_args
+        assert called_on is indexer and method.call_count == 2
+        indexer.block_topk = 2
+        indexer.k_layernorm.group_size = 4  # a grouped key norm: not rebuilt
+        indexer._select_tokens(*args)
+        assert method.call_args[0][0] is indexer and method.call_count == 3
+
+
+def test_a_selection_of_another_shape_is_an_error() -> None:
+    ((indexer, args),) = captured_selections(token_ids(1, seed=8))
+    wrong = mock.Mock(return_value=torch.ones(1, 1, 16, 3, dtype=torch.bool))
+    with mock.patch.object(INDEXER, "_select_tokens", wrong), qsa_selection_as_one_op():
+        with pytest.raises(RuntimeError, match=r"the selection is .* expected \(1, 1, 16, 16\) bool"):
+            indexer._select_tokens(*args)
+
+
+def test_the_context_restores_the_class_on_exit_on_raise_and_when_nested() -> None:
+    original = INDEXER.__dict__["_select_tokens"]
+    with qsa_selection_as_one_op() as patched, eager_kernels_under_compile():
+        assert patched == [MODULE]
+        assert INDEXER.__dict__["_select_tokens"].replaced_method is original  # the inner wraps the method itself
+    assert INDEXER.__dict__["_select_tokens"] is original
+    with pytest.raises(KeyError), qsa_selection_as_one_op():
+        raise KeyError("body")
+    assert INDEXER.__dict__["_select_tokens"] is original
