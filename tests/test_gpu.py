@@ -212,7 +212,8 @@ def test_mhc_spellings_fuse_and_count_exactly_on_cuda(dtype: torch.dtype, shape:
 # Real-size transformers models (hcpasses.testing.hf_models.real_*), FP8 sub-layer inputs, one GPU (tp = 1): the
 # builders run on CUDA (grouped_mm experts), the graph compiles, the report counts the model's HC collapses exactly
 # and the logits match eager. qwen4_exp as in the issue's set-up (3 GatedDeltaNet layers, PLE in layer 2; the QSA layer
-# breaks the graph per query, see tests/real_models/test_compile.py); deepseek_v4's first real layer.
+# breaks the graph per query outside eager_kernels_under_compile(), see tests/real_models/test_compile.py, and its
+# token selection loops over the queries in Python inside it); deepseek_v4's first real layer.
 REAL_SIZE = {
     # qwen4_exp: the attention and MoE HCs of each layer fuse (the MoE's through its view(-1, hidden))
     "qwen4_exp": ({"num_layers": 3, "layer_types": ["linear_attention"] * 3}, 7, 6),

@@ -33,7 +33,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 # One-layer variants for the tests that run Inductor, whose C++ codegen takes about a minute per thousand
 # graph nodes on 2 cores. Both keep an HC-wrapped linear-time mixer or compressed attention, MoE, and
-# (qwen4_exp) PLE; neither has qwen4_exp's QSA indexer, which breaks the graph per query (test_compile.py).
+# (qwen4_exp) PLE; neither has qwen4_exp's QSA indexer, which breaks the graph per query outside
+# ``eager_kernels_under_compile()`` (test_compile.py) and runs a Python loop per query inside it.
 ONE_LAYER: dict[str, dict[str, object]] = {
     "qwen4_exp": {"num_hidden_layers": 1, "layer_types": ["linear_attention"], "ple_layer_ids": [1]},
     "deepseek_v4": {
