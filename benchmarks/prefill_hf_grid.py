@@ -139,13 +139,13 @@ GRID_LAYERS = {"qwen4_exp": 3, "deepseek_v4": 2}  # what fits a device call (4 q
 
 def missing_commands(rows: dict[Cell, Run]) -> list[str]:
     """``prefill_hf.py`` arguments that measure the missing cells and those measured without the hand-written SP,
-    one run per model, dtype and tp (one model build serves its T): qwen4_exp first, then tp 8, 4, 2 and tp 1 last
-    (SP's goals are at tp > 1), bf16 before fp8."""
+    one run per model, dtype and tp (one model build serves its T): every tp > 1 before any tp 1 (SP's goals are at
+    tp > 1), then qwen4_exp first, tp 8, 4, 2, bf16 before fp8."""
     groups: dict[tuple[str, str, int], list[int]] = {}
     for cell in missing(rows) + unanchored(rows):
         groups.setdefault((cell.model, cell.dtype, cell.tp), []).append(cell.tokens)
     order = {m: i for i, m in enumerate(MODELS)}
-    keys = sorted(groups, key=lambda k: (order[k[0]], k[2] == 1, -k[2], DTYPES.index(k[1])))
+    keys = sorted(groups, key=lambda k: (k[2] == 1, order[k[0]], -k[2], DTYPES.index(k[1])))
     return [
         f"--models {model} --layers {GRID_LAYERS[model]} --dtypes {dtype} --tp {tp} "
         f"--tokens {','.join(map(str, sorted(groups[model, dtype, tp])))} --variants {','.join(COMPARED)} "

@@ -174,8 +174,8 @@ def test_the_missing_cells_become_one_prefill_hf_run_per_model_dtype_and_tp_tp_1
     assert [c.split(" --variants")[0] for c in commands] == [
         "--models qwen4_exp --layers 3 --dtypes fp8 --tp 8 --tokens 65536",
         "--models qwen4_exp --layers 3 --dtypes fp8 --tp 4 --tokens 16384,65536",
-        "--models qwen4_exp --layers 3 --dtypes bf16 --tp 1 --tokens 16384,65536",
         "--models deepseek_v4 --layers 2 --dtypes bf16 --tp 8 --tokens 16384,65536",
+        "--models qwen4_exp --layers 3 --dtypes bf16 --tp 1 --tokens 16384,65536",  # tp 1 last, whatever the model
     ]
     assert all(" --variants sp_off,hcpasses_sp,handwritten_sp " in command for command in commands)
     assert commands[0].endswith("--tag grid_qwen4_exp_fp8_tp8")
