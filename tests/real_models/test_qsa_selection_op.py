@@ -140,3 +140,20 @@ def test_the_context_restores_the_class_on_exit_on_raise_and_when_nested() -> No
     with pytest.raises(KeyError), qsa_selection_as_one_op():
         raise KeyError("body")
     assert INDEXER.__dict__["_select_tokens"] is original
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU machine)")
+def test_on_cuda_the_model_compiles_as_one_graph_with_the_passes_and_matches_eager() -> None:
+    import hcpasses
+
+    model = FAMILIES["qwen4_exp"](**TWO_LAYERS).cuda()
+    ids = token_ids(1, seed=9).cuda()
+    backend = hcpasses.backend()
+    torch._dynamo.reset()
+    with eager_kernels_under_compile(), torch.no_grad():
+        expected = model(ids).logits
+        actual = torch.compile(model, backend=backend)(ids).logits
+    assert len(backend.reports) == 1  # one graph: the selection did not break it
+    assert all(record.status != "rolled_back" for record in backend.reports[0].passes), str(backend.reports[0])
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
