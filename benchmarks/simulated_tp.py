@@ -198,9 +198,12 @@ def _in_range(name: str, kernel: Callable[..., torch.Tensor]) -> Callable[..., t
 
 def standin_ms(events: Iterable[Any], on_gpu: bool) -> float:
     """Milliseconds a profile's ``events`` (``prof.events()``) spent in the stand-ins: the device time of the
-    kernels launched inside their ranges (``on_gpu``), else the ranges' CPU time."""
+    kernels launched inside their ranges (``on_gpu``), else the CPU time of the ops inside them (the range's total
+    less its own: what a CPU profile's op self times, the CPU's "kernel time", count of them; the Python of the
+    stand-in around its ops is in no op's self time, and subtracting it made compute negative)."""
     ranges = [event for event in events if event.name.startswith(STANDIN_RANGE)]
-    return sum(event.device_time_total if on_gpu else event.cpu_time_total for event in ranges) / 1e3
+    own = (event.device_time_total if on_gpu else event.cpu_time_total - event.self_cpu_time_total for event in ranges)
+    return sum(own) / 1e3
 
 
 def _group_size(group_name: object) -> int:
