@@ -606,4 +606,33 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_sp_seq_split.py",),
         k="one_region",
     ),
+    Mutant(
+        name="qsa_stand_in_takes_every_block",
+        fault="the QSA op's stand-in indexer keeps token_budget blocks, not token_budget // compress_ratio",
+        file="hcpasses/hf/qsa_selection_op.py",
+        old="""        block_topk=token_budget // compress_ratio,""",
+        new="""        block_topk=token_budget,""",
+        tests=("tests/real_models/test_qsa_selection_op.py",),
+        k="bit_for_bit",
+    ),
+    Mutant(
+        name="qsa_op_covers_a_grouped_key_norm",
+        fault="an indexer whose key norm is grouped goes to the op, which rebuilds the norm without its groups",
+        file="hcpasses/hf/qsa_selection_op.py",
+        old="""        and getattr(norm, "group_size", None) is None
+""",
+        new="",
+        tests=("tests/real_models/test_qsa_selection_op.py",),
+        k="does_not_cover",
+    ),
+    Mutant(
+        name="qsa_context_keeps_the_op",
+        fault="the QSA context leaves the op caller on the class after it exits",
+        file="hcpasses/hf/qsa_selection_op.py",
+        old="""        for cls, method in zip(classes, saved, strict=True):
+            setattr(cls, METHOD_NAME, method)""",
+        new="""        pass""",
+        tests=("tests/real_models/test_qsa_selection_op.py",),
+        k="restores",
+    ),
 )
