@@ -72,6 +72,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import importlib.util
 import json
 import statistics
@@ -249,23 +250,40 @@ def device_allocs(device: torch.device) -> dict[str, int]:
     return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector collected once, then off for the block (as ``timeit`` times): a collection
+    inside a timed call of a host-bound forward would stall its launches. (The T = 16384 runs' GPU idle time moved
+    between runs of the same graphs, 1.6 to 7.7 ms per call; whether collections caused any of it is not known.)"""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def wall_ms(step: Callable[[], Any], repeats: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of ``repeats`` calls: CUDA events (host clock on CPU)."""
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - began) * 1e3)
-    return times
+    """Milliseconds of each of ``repeats`` calls: CUDA events (host clock on CPU), the garbage collector paused."""
+    with gc_paused():
+        return [one_call_ms(step, device) for _ in range(repeats)]
+
+
+def one_call_ms(step: Callable[[], Any], device: torch.device) -> float:
+    """One call's milliseconds from an idle device: CUDA events (host clock on CPU)."""
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    began = time.perf_counter()
+    step()
+    return (time.perf_counter() - began) * 1e3
 
 
 def profiled(
@@ -279,7 +297,7 @@ def profiled(
 
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
+    with gc_paused(), profile(activities=activities) as prof:
         for _ in range(repeats):
             step()
         sync(device)

@@ -191,3 +191,24 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
     # by hand: an all-gather of x and a reduce-scatter per sub-layer, the PLE conv's halo, the last token's row
     assert sharded["handwritten_sp"]["collectives"] == {"all_gather": 6, "reduce_scatter": 4}
     assert "hcpasses SP vs hand-written SP" in done.stdout
+
+
+def test_the_timed_calls_run_with_the_garbage_collector_paused_and_it_is_restored() -> None:
+    import gc
+
+    seen = []
+    times = prefill_hf.wall_ms(lambda: seen.append(gc.isenabled()), 3, torch.device("cpu"))
+    assert seen == [False] * 3 and len(times) == 3 and all(ms >= 0 for ms in times)
+    assert gc.isenabled()
+    prefill_hf.profiled(lambda: seen.append(gc.isenabled()), 2, torch.device("cpu"))
+    assert seen[3:] == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        with prefill_hf.gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+    with pytest.raises(KeyError), prefill_hf.gc_paused():
+        raise KeyError("body")
+    assert gc.isenabled()
