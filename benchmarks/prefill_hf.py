@@ -33,8 +33,9 @@ fla on a torch that does not fold the check, a graph break at fla's ``torch.comp
 header says whether ``fla`` was found and which modules the context patched.
 
 Per case and variant: the first call's seconds (compile), the passes' own seconds from the reports, the
-median wall time of ``--repeats`` calls (CUDA events; host clock on CPU), the profiler's kernel time and
-kernel count per forward (on CPU: ops' self time and op count, which only checks the plumbing), the host calls
+median wall time of ``--repeats`` calls (CUDA events; host clock on CPU; since 2026-12-07 the timed and profiled
+calls run with the garbage collector paused), the profiler's kernel time and kernel count per forward (on CPU: ops'
+self time and op count, which only checks the plumbing), the host calls
 with the most self CPU time under the profiler (``host_top_ms``: where a host-bound forward's time goes), on the
 GPU each kernel name's ms (``kernel_ms_by_name``), the time the GPU sat idle between kernels (``idle_ms``, and the
 longest gaps with the kernels around them, ``gaps_top_us``) and the caching allocator's cudaMalloc / cudaFree
