@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import fx
 
 from hcpasses.testing.hf_models import tiny_deepseek_v4, tiny_qwen4_exp
 
@@ -24,6 +25,17 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The model's logits for ``ids`` without autograd."""
     with torch.no_grad():
         return model(ids).logits
+
+
+class GraphRecorder:
+    """A Dynamo backend that keeps every FX graph Dynamo hands it (``graphs``) and runs each as traced."""
+
+    def __init__(self) -> None:
+        self.graphs: list[fx.GraphModule] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        self.graphs.append(gm)
+        return gm.forward
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

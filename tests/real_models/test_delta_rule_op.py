@@ -11,8 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hf_cases import FAMILIES, ONE_LAYER, token_ids
-from torch import fx
+from hf_cases import FAMILIES, ONE_LAYER, GraphRecorder, token_ids
 from transformers.models.qwen4_exp import modeling_qwen4_exp
 
 from hcpasses.hf import delta_rule_as_one_op, eager_kernels_under_compile
@@ -41,23 +40,18 @@ def test_compiled_model_is_one_graph_with_one_op_per_linear_attention_layer() ->
     ids = token_ids(2, seed=3)
     with torch.no_grad():
         expected = model(ids).logits
-    graphs: list[fx.GraphModule] = []
-
-    def record(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
-        graphs.append(gm)
-        return gm.forward
-
+    recorder = GraphRecorder()
     one_layer = FAMILIES["qwen4_exp"](**ONE_LAYER["qwen4_exp"])
     torch._dynamo.reset()
     with eager_kernels_under_compile() as patched, torch.no_grad():
-        recorded = torch.compile(model, backend=record)(ids).logits
+        recorded = torch.compile(model, backend=recorder)(ids).logits
         torch._dynamo.reset()
         # Inductor calls the op as an extern kernel (one layer: half the compile time of two)
         inductor = torch.compile(one_layer, backend="inductor")(ids).logits
         one_layer_expected = one_layer(ids).logits
     assert MODULE in patched["delta_rule_op"]
-    assert len(graphs) == 1  # no break around the delta rule
-    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert len(recorder.graphs) == 1  # no break around the delta rule
+    targets = [node.target for node in recorder.graphs[0].graph.nodes if node.op == "call_function"]
     assert targets.count(OP) == 2, targets
     assert torch.linalg.solve_triangular not in targets  # the reference is not traced
     torch.testing.assert_close(recorded, expected, rtol=0, atol=0)

@@ -8,12 +8,11 @@ modelling module's check at ``lambda: True``, which is what 2.11's Dynamo traces
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from unittest import mock
 
 import pytest
 import torch
-from hf_cases import FAMILIES, ONE_LAYER, token_ids
+from hf_cases import FAMILIES, ONE_LAYER, GraphRecorder, token_ids
 from torch import fx
 from transformers.models.qwen4_exp import modeling_qwen4_exp
 
@@ -25,18 +24,13 @@ FOLDS = torch.torch_version.TorchVersion(torch.__version__) < "2.13"  # pytorch#
 
 def dynamo_graphs() -> list[fx.GraphModule]:
     """The FX graphs Dynamo makes for one call of the one-layer tiny qwen4_exp, compiled afresh."""
-    graphs: list[fx.GraphModule] = []
-
-    def record(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
-        graphs.append(gm)
-        return gm.forward
-
+    recorder = GraphRecorder()
     torch._dynamo.reset()
     model = FAMILIES["qwen4_exp"](**ONE_LAYER["qwen4_exp"])
-    compiled = torch.compile(model, backend=record, dynamic=False)
+    compiled = torch.compile(model, backend=recorder, dynamic=False)
     with torch.no_grad():
         compiled(token_ids(1))
-    return graphs
+    return recorder.graphs
 
 
 def solves_triangular(graphs: list[fx.GraphModule]) -> bool:

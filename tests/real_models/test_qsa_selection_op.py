@@ -14,8 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hf_cases import FAMILIES, token_ids
-from torch import fx
+from hf_cases import FAMILIES, GraphRecorder, token_ids
 from transformers.models.qwen4_exp import modeling_qwen4_exp
 
 from hcpasses.hf import eager_kernels_under_compile, qsa_selection_as_one_op
@@ -75,18 +74,13 @@ def test_inside_the_context_the_model_is_one_graph_with_one_op_per_indexed_layer
     ids = token_ids(1, seed=5)
     with torch.no_grad():
         expected = model(ids).logits
-    graphs: list[fx.GraphModule] = []
-
-    def record(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
-        graphs.append(gm)
-        return gm.forward
-
+    recorder = GraphRecorder()
     torch._dynamo.reset()
     with eager_kernels_under_compile() as patched, torch.no_grad():
-        recorded = torch.compile(model, backend=record)(ids).logits
+        recorded = torch.compile(model, backend=recorder)(ids).logits
     assert patched["qsa_selection_op"] == [MODULE]
-    assert len(graphs) == 1  # no break in the indexer (test_compile.py: one per query position without the op)
-    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert len(recorder.graphs) == 1  # no break in the indexer (test_compile.py: one per query position without it)
+    targets = [node.target for node in recorder.graphs[0].graph.nodes if node.op == "call_function"]
     assert targets.count(OP) == 1, targets
     assert torch.nonzero not in targets
     torch.testing.assert_close(recorded, expected, rtol=0, atol=0)
