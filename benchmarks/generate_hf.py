@@ -5,9 +5,12 @@
 
 What a transformers user does: shard the model for its rank (``hcpasses.hf.shard_for_tp``), compile
 ``model.forward`` with the backend, call ``model.generate(prompt, max_new_tokens=K, do_sample=False)`` inside
-``hcpasses.hf.eager_kernels_under_compile()``. deepseek_v4 only: qwen4_exp's indexed-attention layer breaks the graph
-at every query position of a decode step (its QSA indexer), and its GatedDeltaNet-only cut cannot generate with a
-cache in transformers (``tests/real_models/test_generate.py``). Cases, each from a fresh Dynamo state:
+``hcpasses.hf.eager_kernels_under_compile()``. ``--model deepseek_v4`` (default) or ``qwen4_exp``: GatedDeltaNet
+layers with PLE in the second (the first of two), then its indexed-attention layer (a GatedDeltaNet-only cut cannot
+generate with a cache in transformers; the QSA token selection runs as one op inside the context, transformers'
+loop over the query positions, so a prompt of P tokens runs P iterations of it per prefill). Where tp exceeds
+qwen4_exp's KV heads each rank keeps a copy of its KV head (``prefill_hf.replicate_kv_heads``). Cases, each from a
+fresh Dynamo state:
 
 - ``tp 1``: eager, then the compiled forward with ``hcpasses.backend()`` and with ``cudagraphs=True``: the greedy
   tokens must equal eager's (``tokens_equal``); nothing to shard (one rank).
@@ -45,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from prefill_hf import guarded, sync
+from prefill_hf import guarded, replicate_kv_heads, sync
 from simulated_tp import simulated_tp
 
 import hcpasses
@@ -53,10 +56,20 @@ from hcpasses.hf import eager_kernels_under_compile, shard_for_tp
 from hcpasses.testing import hf_models
 
 SMOKE_PROMPT, GPU_PROMPT = 16, 4096
-SMOKE_LAYERS, GPU_LAYERS = 1, 2
+MODELS = ("deepseek_v4", "qwen4_exp")
+LAYERS = {"deepseek_v4": (1, 2), "qwen4_exp": (2, 4)}  # (smoke, GPU) defaults; qwen4_exp: the real 4-layer pattern
 
 
-def build(smoke: bool, layers: int, device: torch.device) -> torch.nn.Module:
+def build(name: str, smoke: bool, layers: int, device: torch.device) -> torch.nn.Module:
+    if name == "qwen4_exp":
+        # the indexed-attention layer last, as full_attention_interval = 4 places it; PLE on a GatedDeltaNet layer
+        cut = {
+            "layer_types": ["linear_attention"] * (layers - 1) + ["indexed_attention"],
+            "ple_layer_ids": [min(2, layers - 1)],
+        }
+        if smoke:
+            return hf_models.tiny_qwen4_exp(num_hidden_layers=layers, **cut).eval()
+        return hf_models.real_qwen4_exp(layers, torch.bfloat16, device, **cut).eval()
     if smoke:
         tiny = hf_models.DEEPSEEK_V4_TINY
         cut = {key: tiny[key][:layers] for key in ("layer_types", "mlp_layer_types")}
@@ -153,8 +166,9 @@ VARIANTS = ("hcpasses", "hcpasses_cudagraphs")  # the backend as it is, and with
 
 def run_case(tp: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     with simulated_tp(tp, 0):
-        model = build(args.cpu_smoke, args.layers, device)
+        model = build(args.model, args.cpu_smoke, args.layers, device)
         if tp > 1:
+            replicate_kv_heads(model, tp)
             model = shard_for_tp(model, 0, tp)
         vocab = model.config.vocab_size
         prompt = torch.randint(vocab, (1, args.prompt), generator=torch.Generator().manual_seed(7)).to(device)
@@ -209,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", default=None, help="simulated TP sizes (default 1,8; smoke 1,2)")
     parser.add_argument("--prompt", type=int, default=None, help=f"prompt tokens (default {GPU_PROMPT})")
     parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {GPU_LAYERS})")
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0])
+    parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default, smoke and GPU: {LAYERS})")
     parser.add_argument(
         "--repeats", type=int, default=2, help="generate calls after the first (>= 2 to time replayed CUDA graphs)"
     )
@@ -220,12 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants {','.join(args.variants)}: choose among {', '.join(VARIANTS)}")
     smoke = args.cpu_smoke
     args.prompt = args.prompt or (SMOKE_PROMPT if smoke else GPU_PROMPT)
-    args.layers = args.layers or (SMOKE_LAYERS if smoke else GPU_LAYERS)
+    args.layers = args.layers or LAYERS[args.model][0 if smoke else 1]
+    if args.model == "qwen4_exp" and args.layers < 2:
+        parser.error("--layers: qwen4_exp needs 2 or more (a GatedDeltaNet layer and the indexed-attention layer)")
     tps = [int(t) for t in (args.tp or ("1,2" if smoke else "1,8")).split(",")]
     device = torch.device("cpu" if smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("needs CUDA (or --cpu-smoke)")
     result: dict[str, Any] = {
+        "model": args.model,
+        "layers": args.layers,
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,

@@ -9,7 +9,8 @@
 #                                               # module), then qwen4_exp bf16 tp 8 per kernel
 #     bash benchmarks/gpu_session.sh scans-quick  # blocked_scans' GPU tests, the copy at two lengths, the module once
 #     bash benchmarks/gpu_session.sh generate   # generate() at real size: deepseek_v4 tp 8 (simulated), then tp 1
-#                                               # (GENERATE_TP=1 or 8: one of them, for a short device call)
+#                                               # (GENERATE_TP=1 or 8: one of them, for a short device call;
+#                                               # GENERATE_MODEL=qwen4_exp: qwen4_exp's 4-layer pattern)
 #     bash benchmarks/gpu_session.sh grid       # issue #27's prefill_hf cells not yet measured (prefill_hf_grid.py
 #                                               # --missing-commands), one run each, until GRID_BUDGET_S (default
 #                                               # 520) seconds are spent; JSONs, pngs and logs in $OUT/grid.tgz
@@ -82,9 +83,12 @@ scans-quick)
 generate)
     # 3 repeats: a CUDA-graph tree warms a graph up on its first call, records it on the second and replays it from
     # the third; with 1 repeat the decode steps timed are the recordings (12.7 ms a step at tp 8, 1.7 replayed)
+    # GENERATE_MODEL=qwen4_exp: its 4-layer pattern (not yet run on a GPU; the QSA selection loops over the prompt)
+    model=${GENERATE_MODEL:-deepseek_v4}
     for tp in ${GENERATE_TP:-8 1}; do  # GENERATE_TP=1: one tp per device call when time is short
-        PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 290 python3 benchmarks/generate_hf.py --tp $tp --repeats 3 \
-            --new-tokens 4 --out "$out/generate_hf_tp${tp}_$gpu.json" 2>&1 | tee "$out/generate_tp$tp.log" | tail -2
+        PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 290 python3 benchmarks/generate_hf.py --model $model \
+            --tp $tp --repeats 3 --new-tokens 4 --out "$out/generate_hf_${model}_tp${tp}_$gpu.json" 2>&1 \
+            | tee "$out/generate_${model}_tp$tp.log" | tail -2
     done
     ;;
 grid)

@@ -45,7 +45,8 @@ def smoke_args(generate_hf: Any, variants: list[str]) -> argparse.Namespace:
     """``generate_hf.py --cpu-smoke``'s arguments for ``run_case``: the tiny model, 2 new tokens, no repeats."""
     return argparse.Namespace(
         cpu_smoke=True,
-        layers=generate_hf.SMOKE_LAYERS,
+        model="deepseek_v4",
+        layers=generate_hf.LAYERS["deepseek_v4"][0],
         prompt=generate_hf.SMOKE_PROMPT,
         new_tokens=2,
         repeats=0,
@@ -103,3 +104,19 @@ def test_an_unknown_variant_is_refused_naming_the_valid_ones() -> None:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "--variants hcpasses,fast: choose among hcpasses, hcpasses_cudagraphs" in done.stderr
+
+
+def test_the_qwen4_exp_it_generates_with_ends_with_the_indexed_attention_layer() -> None:
+    """A cache needs an attention layer: the GatedDeltaNet layers come first, the indexed-attention layer last, PLE
+    on a GatedDeltaNet layer (the second, as in the real checkpoint, or the first of two); fewer than 2 is refused."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import generate_hf
+
+    for layers, ple in ((2, [1]), (4, [2])):
+        config = generate_hf.build("qwen4_exp", True, layers, torch.device("cpu")).config
+        assert config.layer_types == ["linear_attention"] * (layers - 1) + ["indexed_attention"]
+        assert config.ple_layer_ids == ple
+    with pytest.raises(SystemExit):
+        generate_hf.main(["--cpu-smoke", "--model", "qwen4_exp", "--layers", "1", "--out", "/dev/null"])
