@@ -15,7 +15,9 @@ exactly eager's, loop and all (the op makes it one graph, not faster). Its body 
 stand-in indexer that holds what the method reads: the token budget, the compress ratio, the block top-k (budget //
 ratio), the index head dim and the key norm, rebuilt as the module's own norm class with the indexer's weight and
 eps. The method's result is the selection mask ``[B, 1, S, kv]`` (bool; the op returns it contiguous, as its fake
-says). The method reads none of its keyword arguments (transformers 5.24 and 5.25), which the op drops.
+says). The method reads none of its keyword arguments (transformers 5.24 and 5.25), which the op drops. The op is
+tagged ``cudagraph_unsafe``: its loop syncs with the host at every query, so with ``cudagraphs=True`` a decode graph
+holding it is not captured (Inductor skips it, or captures around it where it partitions graphs).
 
 A call the op does not cover goes to the class's method unchanged (and Dynamo breaks the graph there as before): an
 indexer whose fields are not those (``block_topk != token_budget // compress_ratio``, a key norm with other
@@ -85,7 +87,11 @@ def _mask_shape(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> tu
     return (batch, 1, queries, attention_mask.shape[-1])
 
 
-qsa_select_tokens = torch.library.custom_op("hcpasses::qsa_select_tokens", mutates_args=())(_run_selection)
+# cudagraph_unsafe (torch >= 2.9): the body syncs with the host (a `nonzero` per query), which a CUDA-graph capture
+# cannot hold; Inductor then leaves a graph holding the op uncaptured (or, with graph partitions, captures around it).
+qsa_select_tokens = torch.library.custom_op(
+    "hcpasses::qsa_select_tokens", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)(_run_selection)
 
 
 @qsa_select_tokens.register_fake

@@ -69,6 +69,12 @@ def test_the_op_is_the_method_bit_for_bit_and_its_fake_agrees(ids: torch.Tensor,
     torch.library.opcheck(OP, op_args(indexer, args), test_utils=("test_schema", "test_faketensor"))
 
 
+def test_the_op_is_tagged_unsafe_for_cuda_graphs() -> None:
+    """Its body syncs with the host at every query: a CUDA-graph capture of it would fail, so Inductor must skip (or
+    partition around) a graph that holds it."""
+    assert torch.Tag.cudagraph_unsafe in OP.default.tags
+
+
 def test_inside_the_context_the_model_is_one_graph_with_one_op_per_indexed_layer() -> None:
     model = FAMILIES["qwen4_exp"]()  # 3 GatedDeltaNet layers (PLE in one) and the indexed-attention layer
     ids = token_ids(1, seed=5)
@@ -151,3 +157,29 @@ def test_on_cuda_the_model_compiles_as_one_graph_with_the_passes_and_matches_eag
     assert len(backend.reports) == 1  # one graph: the selection did not break it
     assert all(record.status != "rolled_back" for record in backend.reports[0].passes), str(backend.reports[0])
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU machine)")
+def test_on_cuda_generate_with_cudagraphs_gives_eagers_tokens() -> None:
+    """Decode steps hold the op (one query each): with ``cudagraphs=True`` they must run, uncaptured where the op is,
+    not fail inside a capture."""
+    import hcpasses
+
+    model = FAMILIES["qwen4_exp"](**TWO_LAYERS).cuda()
+    prompt = token_ids(1, seed=10).cuda()
+
+    def generate() -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=True)
+
+    expected = generate()
+    eager_forward = model.forward
+    torch._dynamo.reset()
+    model.forward = torch.compile(eager_forward, backend=hcpasses.backend(cudagraphs=True))
+    try:
+        with eager_kernels_under_compile():
+            tokens = [generate() for _ in range(3)]  # CUDA-graph trees record on the second call, replay on the third
+    finally:
+        model.forward = eager_forward
+    assert all(torch.equal(t, expected) for t in tokens)
