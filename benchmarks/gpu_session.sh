@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks (H200 or H100, torch 2.11): the GPU test files, then the prefill runs whose numbers
 # docs/BENCHMARKS.md waits for. Run from the repository root on the device machine with `.whl` carried
-# (DESIGN §10: transformers, flash-linear-attention, fla-core, einops wheels), results under $OUT:
+# (DESIGN §10 and docs/BENCHMARKS.md: transformers 5.25, huggingface_hub 2.5, httpx2, httpcore2, truststore,
+# flash-linear-attention, fla-core, einops wheels; `pip download --no-deps` each), results under $OUT:
 #
 #     bash benchmarks/gpu_session.sh tests      # GPU test files, then the fla test alone (about 220 s)
 #     bash benchmarks/gpu_session.sh prefill    # deepseek_v4 tp 8 (the SP prologue), qwen4_exp FP8 tp 4 (host time)
@@ -34,8 +35,18 @@ case "${1:-}" in tests | prefill | scans | scans-quick | generate | grid | bench
     ;;
 esac
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
-[ -d /tmp/site ] || $install --target /tmp/site .whl/transformers*.whl
+# transformers 5.25 (what CI installs; hcpasses::qsa_select_tokens wraps its _select_tokens, which 5.24 lacks) wants
+# huggingface_hub >= 2.4, which wants httpx2, httpcore2 and truststore; the machine has hub 1.33. A warm machine keeps
+# /tmp/site between calls: reinstall when the carried wheels differ from those it holds (2026-12-07: a call meant
+# for 5.25 ran on the 5.24 installed by the call before)
+carried=$(ls .whl | md5sum | cut -c1-12)
+if [ ! -f "/tmp/site/.carried-$carried" ]; then
+    rm -rf /tmp/site /tmp/site_fla
+    $install --target /tmp/site .whl/transformers*.whl .whl/huggingface_hub*.whl .whl/httpx2*.whl \
+        .whl/httpcore2*.whl .whl/truststore*.whl && touch "/tmp/site/.carried-$carried"
+fi
 [ -d /tmp/site_fla ] || $install --target /tmp/site_fla .whl/fla_core*.whl .whl/flash_linear*.whl .whl/einops*.whl
+PYTHONPATH=/tmp/site python3 -c "import transformers; print('transformers', transformers.__version__)"
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 # the result files name the GPU the call got (an H100 may serve a call for an H200)

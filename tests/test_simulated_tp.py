@@ -170,6 +170,26 @@ def test_a_token_count_the_sharded_compile_fixes_below_the_threshold_runs_unshar
     assert any("fixed the token count" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_symbolic_token_count_compiles_once_for_even_and_ragged_counts(rank: int) -> None:
+    """Pins what the SP rewrite's shard relies on in Inductor (torch 2.11 and 2.13): it lowers the slice of the
+    rows zero-padded to R*tp with no guard on T. Rank 0 and the last rank (whose block holds the pad rows at an odd
+    T) of tp 2 each compile one graph for T = 13, 14, 29 and 64 and run its sharded variant every time. A slice of
+    the unpadded rows, whose end Inductor must clamp to T, added a guard: a second graph."""
+    torch._dynamo.reset()
+    model = UserHC(layers=1, tp=2, rank=rank)
+    be = hcpasses.backend(sp_min_tokens=8)
+    compiled = torch.compile(model, backend=be, dynamic=True)
+    with simulated_tp(2, rank) as ledger, torch.no_grad():
+        for tokens in (13, 14, 29, 64):
+            compiled(torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(tokens)))
+        counts = ledger.counts()
+    assert [r.variant for r in be.reports] == ["sharded"], [str(r) for r in be.reports]
+    assert be.reports[0].record("sp_rewrite").status == "applied"
+    assert be.dispatchers[0].calls == {"sharded": 4, "unsharded": 0}
+    assert "all_reduce" not in counts and counts["reduce_scatter"] == 4 * 2, counts
+
+
 def test_tp1_sets_up_nothing_and_ranks_are_checked() -> None:
     with simulated_tp(1) as ledger:
         assert not dist.is_initialized() and ledger.calls == []

@@ -24,7 +24,6 @@ from harness.reference import (
 from harness.tally import CheckedGraphs
 from hypothesis import given
 from hypothesis import strategies as st
-from torch._inductor.utils import run_and_get_code
 
 import hcpasses.passes.sp_rewrite as sp_rewrite
 from hcpasses.config import HCPassesConfig
@@ -277,16 +276,24 @@ def check_sharded_graph(data: st.DataObject, case: Case, seed: int) -> RankGraph
     return sharded
 
 
-@pytest.mark.parametrize(("tokens", "by_op"), [(12, False), (13, True)], ids=["even", "ragged"])
-def test_an_even_static_token_count_shards_by_a_slice(tokens: int, by_op: bool, checked_graphs: CheckedGraphs) -> None:
-    """T % tp == 0 (static): each rank's rows of the replicated streams are a slice (a view, which Inductor fuses
-    into their readers), not the ``shard_rows`` op (a copy, there for the zero pad rows of a ragged T). Every
-    rank's values are SP off's and eager's."""
+SLICE, PAD = torch.ops.aten.slice.Tensor, torch.ops.aten.constant_pad_nd.default
+
+
+@pytest.mark.parametrize(("tokens", "padded"), [(12, False), (13, True)], ids=["even", "ragged"])
+def test_a_static_token_count_shards_by_a_slice(tokens: int, padded: bool, checked_graphs: CheckedGraphs) -> None:
+    """Static T: each rank's rows of the replicated streams are a slice (a view, which Inductor fuses into their
+    readers) of the rows zero-padded to R*tp where T % tp != 0 (a view too), never the ``shard_rows`` op (a copy
+    of all T rows, opaque to Inductor) nor an indexed read. Every rank's values are SP off's and eager's."""
     case = Case(tp=3, layers=2, ple="none", mtp=True, dtype=torch.float32, fp8=False, dynamic=False)
     sharded = captured(case, tokens)
-    for gm in sharded.graphs:
-        ops = [n for n in gm.graph.nodes if n.target is torch.ops.hcpasses.shard_rows.default]
-        assert bool(ops) == by_op, gm.code
+    rows = -(-tokens // 3)
+    for rank, gm in enumerate(sharded.graphs):
+        targets = {n.target for n in gm.graph.nodes}
+        assert torch.ops.hcpasses.shard_rows.default not in targets, gm.code
+        assert torch.ops.aten._unsafe_index.Tensor not in targets, gm.code
+        shard = first_shard(gm)
+        assert shard.args[2:] == (rank * rows, (rank + 1) * rows)
+        assert (shard.args[0].target is PAD) == padded
     ids = torch.randint(0, 64, (tokens,), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         expected = reference_model(case.config())(ids, return_hc_state=True)
@@ -297,15 +304,26 @@ def test_an_even_static_token_count_shards_by_a_slice(tokens: int, by_op: bool, 
     checked_graphs.add(sharded)
 
 
+def first_shard(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """The slice that shards the start of the SP region: the first slice of dim 0 whose input is the replicated
+    value or its zero-padded rows (the gathers' trims slice a collective's result)."""
+    waits = {torch.ops._c10d_functional.wait_tensor.default}
+    for node in gm.graph.nodes:
+        if node.target is SLICE and node.args[1] == 0 and node.args[0].target not in waits:
+            return node
+    raise AssertionError(f"no slice shards the start:\n{gm.code}")
+
+
 def shard_of_start(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, torch.fx.Node]:
-    """A copy of ``gm`` that returns (the value its SP region shards, that shard): the graph up to the indexed read
-    of the start, with no collective in it, so that one rank runs it alone."""
+    """A copy of ``gm`` that returns (the value its SP region shards, that shard): the graph up to the slice of the
+    start's padded rows, with no collective in it, so that one rank runs it alone."""
     part = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    (read,) = [n for n in part.graph.nodes if n.target is torch.ops.aten._unsafe_index.Tensor]
-    (shard,) = [n for n in read.users if n.target is torch.ops.aten.where.self]
+    shard = first_shard(part)
+    pad = shard.args[0]
+    assert pad.target is PAD, part.code  # a symbolic T: the pad rows' count is a size expression
     part.graph.erase_node(part.graph.output_node())
-    part.graph.output((read.args[0], shard))
-    needed, stack = set(), [read.args[0], shard]
+    part.graph.output((pad.args[0], shard))
+    needed, stack = set(), [pad.args[0], shard]
     while stack:
         node = stack.pop()
         if node not in needed:
@@ -318,17 +336,20 @@ def shard_of_start(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, torc
     return part, shard
 
 
-def test_a_symbolic_token_count_shards_by_an_indexed_read(checked_graphs: CheckedGraphs) -> None:
-    """Symbolic T: each rank reads its rows of the replicated streams by index, which Inductor computes for those
-    rows alone when the value is pointwise (the embedding), not by the ``shard_rows`` op (opaque to Inductor: the
-    value is computed for all T rows, then copied). At a ragged T each rank's shard is its block of rows, the last
-    rank's pad rows zero, and every rank's values are SP off's and eager's."""
+def test_a_symbolic_token_count_shards_by_a_slice_of_the_padded_rows(checked_graphs: CheckedGraphs) -> None:
+    """Symbolic T: each rank slices its rows out of the replicated streams zero-padded to R*tp rows: two views,
+    which Inductor computes for this rank's rows alone when the value is pointwise (the embedding), with an affine
+    row index; not the ``shard_rows`` op (opaque to Inductor: the value is computed for all T rows, then copied)
+    and not an indexed read (the row index becomes data: every reader loads through it). At a ragged T each rank's
+    shard is its block of rows, the last rank's pad rows zero, and every rank's values are SP off's and eager's."""
     case = Case(tp=3, layers=2, ple="none", mtp=False, dtype=torch.float32, fp8=False, dynamic=True)
     sharded = captured(case, 7)
     ids = torch.randint(0, 64, (13,), generator=torch.Generator().manual_seed(11))
     rows = 5  # ceil(13 / 3): the last rank holds rows 10..12 and two pad rows
     for rank, gm in enumerate(sharded.graphs):
-        assert not [n for n in gm.graph.nodes if n.target is torch.ops.hcpasses.shard_rows.default], gm.code
+        targets = {n.target for n in gm.graph.nodes}
+        assert torch.ops.hcpasses.shard_rows.default not in targets, gm.code
+        assert torch.ops.aten._unsafe_index.Tensor not in targets, gm.code
         part, _ = shard_of_start(gm)
         full, shard = part(*with_tokens(sharded.inputs[rank], gm, ids))
         block = full.flatten(0, -2)[rank * rows : (rank + 1) * rows]
@@ -339,28 +360,6 @@ def test_a_symbolic_token_count_shards_by_an_indexed_read(checked_graphs: Checke
         expected = reference_model(case.config())(ids)
     assert_exact_at(sharded, ids, expected)
     checked_graphs.add(sharded)
-
-
-@pytest.mark.parametrize(("op", "checked"), [("_unsafe_index", False), ("index", True)])
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
-)
-def test_inductor_bound_checks_an_index_but_not_an_unsafe_index(op: str, checked: bool, device: str) -> None:
-    """Pins the Inductor behaviour the indexed read relies on (torch 2.11 and 2.13): ``aten.index`` with a row index
-    Inductor cannot bound makes it emit a bounds check in the kernel (on CUDA a device assert, compiled in), and
-    ``aten._unsafe_index`` does not."""
-    index = getattr(torch.ops.aten, op).Tensor
-
-    def rows_of(x: torch.Tensor, n: int) -> torch.Tensor:
-        row = torch.arange(n, device=x.device)
-        return index(x, [row * (row < x.shape[0])]) * 2
-
-    torch._dynamo.reset()
-    x = torch.randn(11, 8, device=device)
-    got, (code,) = run_and_get_code(torch.compile(rows_of, dynamic=True), x, 6)
-    torch.testing.assert_close(got, x[:6] * 2)
-    assert ("index out of bounds" in code) == checked, code
 
 
 @pytest.mark.parametrize(("tp", "tokens", "fp8", "ple"), [(2, 9, True, None), (3, 2, False, 1), (4, 31, True, 0)])

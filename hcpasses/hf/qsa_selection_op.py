@@ -15,19 +15,21 @@ exactly eager's, loop and all (the op makes it one graph, not faster). Its body 
 stand-in indexer that holds what the method reads: the token budget, the compress ratio, the block top-k (budget //
 ratio), the index head dim and the key norm, rebuilt as the module's own norm class with the indexer's weight and
 eps. The method's result is the selection mask ``[B, 1, S, kv]`` (bool; the op returns it contiguous, as its fake
-says). The method reads none of its keyword arguments (transformers 5.24 and 5.25), which the op drops. The op is
+says). The method reads none of its keyword arguments (transformers 5.25), which the op drops. The op is
 tagged ``cudagraph_unsafe``: its loop syncs with the host at every query, so with ``cudagraphs=True`` a decode graph
 holding it is not captured (Inductor skips it, or captures around it where it partitions graphs).
 
 A call the op does not cover goes to the class's method unchanged (and Dynamo breaks the graph there as before): an
 indexer whose fields are not those (``block_topk != token_budget // compress_ratio``, a key norm with other
-attributes or a group size). The class attributes are restored on exit.
+attributes or a group size). The class attributes are restored on exit. transformers 5.24 has no ``_select_tokens``
+(its loop sits inside ``forward``): its class is left as it is, and the context logs a warning that names it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -38,6 +40,7 @@ from torch import nn
 
 CLASS_NAME = "Qwen4ExpTextQSAIndexer"
 METHOD_NAME = "_select_tokens"
+logger = logging.getLogger(__name__)
 
 
 def _replaced(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,25 +143,39 @@ def _as_one_op(module_name: str, method: Callable[..., Any]) -> Callable[..., An
     return select_tokens
 
 
-def _classes_defining_the_method() -> list[str]:
-    """The loaded transformers modules whose ``Qwen4ExpTextQSAIndexer`` defines the method, sorted."""
-    names = []
+def _modules_defining_the_class() -> dict[str, type]:
+    """The loaded transformers modules that define ``Qwen4ExpTextQSAIndexer``, by name, sorted."""
+    found = {}
     for name, module in list(sys.modules.items()):
         cls = getattr(module, CLASS_NAME, None) if name.startswith("transformers.models.") else None
-        if isinstance(cls, type) and cls.__module__ == name and METHOD_NAME in cls.__dict__:
-            names.append(name)
-    return sorted(names)
+        if isinstance(cls, type) and cls.__module__ == name:
+            found[name] = cls
+    return dict(sorted(found.items()))
+
+
+def _warn_unpatched(names: list[str]) -> None:
+    if names:
+        import transformers
+
+        logger.warning(
+            "hcpasses: %s.%s has no %s (transformers %s; the method exists from 5.25): its QSA token selection "
+            "stays inside forward, where Dynamo breaks the graph at every query position",
+            ", ".join(names), CLASS_NAME, METHOD_NAME, transformers.__version__,
+        )  # fmt: skip
 
 
 @contextlib.contextmanager
 def qsa_selection_as_one_op() -> Iterator[list[str]]:
     """While open, the loaded transformers modules' QSA token selection is ``hcpasses::qsa_select_tokens``.
 
-    Yields the names of the modules whose class it patched. Dynamo reads the method when it traces (first call,
-    recompiles): keep the compiled model's calls inside the context. Restored on exit, also when the block raises.
+    Yields the names of the modules whose class it patched (a class without the method: a warning names it).
+    Dynamo reads the method when it traces (first call, recompiles): keep the compiled model's calls inside the
+    context. Restored on exit, also when the block raises.
     """
-    names = _classes_defining_the_method()
-    classes = [getattr(sys.modules[name], CLASS_NAME) for name in names]
+    found = _modules_defining_the_class()
+    _warn_unpatched([name for name, cls in found.items() if METHOD_NAME not in cls.__dict__])
+    names = [name for name, cls in found.items() if METHOD_NAME in cls.__dict__]
+    classes = [found[name] for name in names]
     saved = [cls.__dict__[METHOD_NAME] for cls in classes]
     try:
         for name, cls, method in zip(names, classes, saved, strict=True):

@@ -116,44 +116,30 @@ class _Emitter:
         return size
 
     def _shard(self, value: fx.Node) -> fx.Node:
-        """This rank's token rows of a full-size (replicated) value: a slice where a static N splits evenly (a view,
-        which Inductor fuses into its readers); an indexed read where N is symbolic (``_read_rows``); else
-        ``shard_rows`` (a copy that pads the last rank's rows with zeros)."""
+        """This rank's token rows of a full-size (replicated) value: ``slice(pad(flat, R*tp - N zero rows), rank*R,
+        (rank+1)*R)``, both views that Inductor fuses into the value's readers (a mask and an affine row index in
+        each), as the hand-written SP's ``pad(x[rank*R:(rank+1)*R])``; no pad where a static N splits evenly. Padding
+        first keeps the slice inside the padded rows for every N, so Inductor need not clamp its end: a slice of
+        the unpadded rows with a symbolic end made it guard on the clamp, and the pass adds no guards (``tokens``).
+        An indexed read (``flat[row]``, the rewrite up to 2026-12-07) made the row index data to Inductor: every
+        reader loaded the rows indirectly (the benchmark model's first layer read its embedding through the index,
+        0.07 ms of 18.4 at tp 2, T = 16384, H100). ``shard_rows`` (a copy of all N rows, opaque to Inductor) where
+        a size after the token dims is symbolic."""
         k = self.region.dims[value]
         rest = list(value_of(value).shape[k:])
         if not all(isinstance(size, int) for size in rest):
             return self.graph.call_function(SHARD_ROWS, (value, self.rank, self.tp, k))
         flat = self._flatten_tokens(value, k, rest)
-        if isinstance(self.tokens, int) and pad_rows(self.tokens, self.tp) == 0:
-            begin = self.rank * self.rows
-            rows = self.graph.call_function(aten.slice.Tensor, (flat, 0, begin, begin + self.rows))
-        elif isinstance(self.tokens, int):
-            return self.graph.call_function(SHARD_ROWS, (value, self.rank, self.tp, k))
+        padded = self._pad_rows(flat, 1 + len(rest))
+        if isinstance(self.rows, int):
+            begin, end = self.rank * self.rows, (self.rank + 1) * self.rows
         else:
-            rows = self._read_rows(flat, value_of(value), len(rest))
+            begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
+            end = self.rows if self.rank == 0 else _node(_proxy(self.rows) * (self.rank + 1))
+        rows = self.graph.call_function(aten.slice.Tensor, (padded, 0, begin, end))
         if k == 1:
             return rows
         return self.graph.call_function(aten.reshape.default, (rows, [*shard_token_sizes(self.rows, k), *rest]))
-
-    def _read_rows(self, flat: fx.Node, val: torch.Tensor, ndim_rest: int) -> fx.Node:
-        """Rows ``[rank*R, (rank+1)*R)`` of ``flat [N, ...]`` for a symbolic N, the pad rows past N zero, as
-        ``where(row < N, flat[row if row < N else 0], 0)``.
-
-        Not ``shard_rows``: Inductor cannot see into a custom op, so the value it shards (the embedding, in most
-        models) was computed for all N rows, then copied; an indexed read of a pointwise value is computed for this
-        rank's R rows alone. Not slice + pad either: a slice whose end is symbolic makes Inductor guard on the
-        clamp, and the pass adds no guards (``tokens``). ``val`` is the replicated value (for its dtype and device),
-        ``ndim_rest`` the number of dims after its token dims."""
-        call = self.graph.call_function
-        begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
-        row = self._iota(self.rows, val.device, begin)
-        inside = call(aten.lt.Scalar, (row, self.tokens))
-        # rows past N read row 0. `_unsafe_index`, not `index`: the row is in range by construction, and `index`
-        # makes Inductor bound-check it in every kernel that reads it (a device assert, compiled in on CUDA)
-        read = call(aten._unsafe_index.Tensor, (flat, [call(aten.mul.Tensor, (row, inside))]))
-        mask = call(aten.reshape.default, (inside, [-1, *([1] * ndim_rest)]))
-        zero = call(aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device})
-        return call(aten.where.self, (mask, read, zero))
 
     def _window(self, halo: Halo) -> None:
         """``pad(x, rows zeros in front of dim)`` -> ``cat([the rows before this rank's, x], dim)``.
