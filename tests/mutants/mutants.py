@@ -444,24 +444,25 @@ MUTANTS: tuple[Mutant, ...] = (
         k="select and not True",
     ),
     Mutant(
-        name="indexed_read_every_rank_reads_rank_zero",
-        fault="a symbolic N's indexed read starts every rank at row 0 (each rank shards rank 0's rows)",
+        name="shard_every_rank_slices_rank_zero",
+        fault="a symbolic N's shard slices rows 0..R on every rank (each rank shards rank 0's rows)",
         file="hcpasses/passes/sp_rewrite/emit.py",
-        old="""        begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
+        old="""            begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
+            end = self.rows if self.rank == 0 else _node(_proxy(self.rows) * (self.rank + 1))
 """,
-        new="""        begin = 0  # "the read is relative to this rank's shard"
+        new="""            begin, end = 0, self.rows  # "the slice is relative to this rank's shard"
 """,
-        tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_an_indexed_read",),
+        tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_a_slice_of_the_padded_rows",),
     ),
     Mutant(
-        name="indexed_read_pads_with_ones",
-        fault="a symbolic N's indexed read fills the pad rows past N with ones, not zeros",
+        name="shard_pads_with_ones",
+        fault="the rows padded up to R*tp are ones, not zeros (the last rank's pad rows of the start)",
         file="hcpasses/passes/sp_rewrite/emit.py",
-        old="""        zero = call(aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device})
+        old="""        return self.graph.call_function(aten.constant_pad_nd.default, (flat, pad, 0.0))
 """,
-        new="""        zero = call(aten.scalar_tensor.default, (1.0,), {"dtype": val.dtype, "device": val.device})
+        new="""        return self.graph.call_function(aten.constant_pad_nd.default, (flat, pad, 1.0))
 """,
-        tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_an_indexed_read",),
+        tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_a_slice_of_the_padded_rows",),
     ),
     Mutant(
         name="prologue_ignores_bytes",

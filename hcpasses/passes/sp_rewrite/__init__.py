@@ -9,10 +9,10 @@ After (rank r works on its R = ceil(T/tp) token rows; rows padded with zeros up 
     hs = h[rR : rR+R][R,nS] -> mix -> x[R,S] -> all_gather, trim -> x[T,S] -> sub-layer shard
        -> p[T,S] -> pad to R*tp rows -> reduce_scatter -> y[R,S] -> combine(hs, y) -> h'[R,nS] -> next mix ...
 
-(``h[rR : rR+R]``: for a static T that tp divides a slice; for a symbolic T an indexed read,
-``where(row < T, h[row * (row < T)], 0)``. Inductor fuses both into their readers, so a pointwise h such as the
-embedding is computed for this rank's rows alone. Elsewhere (a static T that tp does not divide, or symbolic sizes
-after the token dims) the ``shard_rows`` op: a copy, zero rows past T, which Inductor cannot see into.)
+(``h[rR : rR+R]``: ``pad(h, R*tp - T zero rows)[rR : rR+R]``, no pad where a static T splits evenly. Inductor
+fuses both views into their readers, so a pointwise h such as the embedding is computed for this rank's rows
+alone. Where a size after the token dims is symbolic, the ``shard_rows`` op: a copy, zero rows past T, which
+Inductor cannot see into.)
 
 All-reduce = reduce-scatter + all-gather, so the bytes on the wire are unchanged while each rank does
 1/tp of the HC work. When the fusion pass ran first, the fused op is part of the region and the

@@ -1,9 +1,9 @@
 """SP emission: rewrites one analysed region in place. Every check ran in the analysis (``region``), every size is
 resolved there, so the emitters only insert nodes and rewire uses; a rewrite that starts always finishes.
 
-The start and the values read row for row from outside (entries) are sharded (a slice where a static N splits
-evenly, an indexed read where N is symbolic, else ``hcpasses::shard_rows``; the last two pad the last rank's rows
-with zeros), each all-reduce becomes pad +
+The start and the values read row for row from outside (entries) are sharded (a slice of the rows zero-padded to
+R*tp, no pad where a static N splits evenly; ``hcpasses::shard_rows`` where a size after the token dims is
+symbolic), each all-reduce becomes pad +
 reduce-scatter, size arguments of reshapes take a shard's token dims (``Layout.sharded_sizes``), a token window's
 front zero pad becomes the rows of the ranks before (one small all-gather of every rank's last rows), slices that
 kept every row are dropped, and every exit is all-gathered (FP8 as bytes; as FP8 with ``overlap``) and trimmed to
