@@ -105,15 +105,31 @@ def load(paths: Sequence[Path]) -> list[Run]:
     return runs
 
 
-def newest(runs: Sequence[Run]) -> dict[Cell, Run]:
-    """Each cell's row: the newest date (and start time, where recorded), then the most compared variants, then the
-    later file in ``runs``' order."""
+def _latest(runs: Sequence[Run]) -> dict[Cell, Run]:
     chosen: dict[Cell, tuple[tuple[str, str, int, int], Run]] = {}
     for order, run in enumerate(runs):
         rank = (run.date, run.started, run.compared, order)
         if run.cell not in chosen or rank > chosen[run.cell][0]:
             chosen[run.cell] = (rank, run)
     return {cell: run for cell, (_, run) in chosen.items()}
+
+
+def newest(runs: Sequence[Run]) -> dict[Cell, Run]:
+    """Each cell's row: of the runs in which a variant ran, the newest date (and start time, where recorded), then
+    the most compared variants, then the later file in ``runs``' order."""
+    return _latest([run for run in runs if run.compared])
+
+
+def failures(runs: Sequence[Run], rows: dict[Cell, Run]) -> dict[Cell, Run]:
+    """The cells without a row whose runs failed in every variant (out of memory on an 80 GB H100, say), each with
+    its newest such run."""
+    return _latest([run for run in runs if not run.compared and run.cell not in rows])
+
+
+def failure(run: Run) -> str:
+    """What a failed run's variants raised (the exception's name; the distinct ones), where and when."""
+    errors = sorted({str(row["error"]).split(":")[0] for row in run.case["variants"].values() if "error" in row})
+    return f"{', '.join(errors) or 'no variant ran'} on {short_device(run.device)}, {run.date}, `{run.file}`"
 
 
 def default_paths(results: Path) -> list[Path]:
@@ -137,15 +153,20 @@ def unanchored(rows: dict[Cell, Run]) -> list[Cell]:
 GRID_LAYERS = {"qwen4_exp": 3, "deepseek_v4": 2}  # what fits a device call (4 qwen4_exp layers do not: BENCHMARKS)
 
 
-def missing_commands(rows: dict[Cell, Run]) -> list[str]:
+def missing_commands(rows: dict[Cell, Run], failed: frozenset[Cell] = frozenset()) -> list[str]:
     """``prefill_hf.py`` arguments that measure the missing cells and those measured without the hand-written SP,
     one run per model, dtype and tp (one model build serves its T): every tp > 1 before any tp 1 (SP's goals are at
-    tp > 1), then qwen4_exp first, tp 8, 4, 2, bf16 before fp8."""
+    tp > 1), then qwen4_exp first, tp 8, 4, 2, bf16 before fp8; runs of ``failed`` cells alone come last (they may
+    need a GPU with more memory than the one they failed on)."""
     groups: dict[tuple[str, str, int], list[int]] = {}
     for cell in missing(rows) + unanchored(rows):
         groups.setdefault((cell.model, cell.dtype, cell.tp), []).append(cell.tokens)
     order = {m: i for i, m in enumerate(MODELS)}
-    keys = sorted(groups, key=lambda k: (k[2] == 1, order[k[0]], -k[2], DTYPES.index(k[1])))
+
+    def only_failed(key: tuple[str, str, int]) -> bool:
+        return all(Cell(*key, tokens) in failed for tokens in groups[key])
+
+    keys = sorted(groups, key=lambda k: (only_failed(k), k[2] == 1, order[k[0]], -k[2], DTYPES.index(k[1])))
     return [
         f"--models {model} --layers {GRID_LAYERS[model]} --dtypes {dtype} --tp {tp} "
         f"--tokens {','.join(map(str, sorted(groups[model, dtype, tp])))} --variants {','.join(COMPARED)} "
@@ -241,10 +262,14 @@ def markdown(runs: Sequence[Run]) -> str:
         lines += ["", "Other runs of these cells on the same date (hcpasses / hand-written compute where both ran):"]
         lines += [""]
         lines += [f"- {label(cell)}: {text}" for cell, text in repeated if text]
-    gaps = missing(rows)
-    if gaps:
-        named = ", ".join(label(c) for c in gaps)
-        lines += ["", f"Not measured ({len(gaps)} of {len(gaps) + len(rows)} cells): {named}."]
+    gaps, failed = missing(rows), failures(runs, rows)
+    if untried := [cell for cell in gaps if cell not in failed]:
+        named = ", ".join(label(c) for c in untried)
+        of_them = f"; {len(failed)} of them failed, below" if failed else ""
+        lines += ["", f"Not measured ({len(gaps)} of {len(gaps) + len(rows)} cells{of_them}): {named}."]
+    if failed:
+        lines += ["", "Failed in every variant:", ""]
+        lines += [f"- {label(cell)}: {failure(failed[cell])}" for cell in gaps if cell in failed]
     if alone := [cell for cell in cells if cell in unanchored(rows)]:
         named = ", ".join(label(c) for c in alone)
         lines += ["", f"Measured without the hand-written SP beside hcpasses': {named}."]
@@ -330,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs = load(args.runs or default_paths(args.results))
     rows = newest(runs)
     if args.missing_commands:
-        print("\n".join(missing_commands(rows)))
+        print("\n".join(missing_commands(rows, frozenset(failures(runs, rows)))))
         return
     table = markdown(runs)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -199,3 +199,29 @@ def test_a_cell_measured_without_the_hand_written_sp_is_measured_again_and_named
     text = grid.markdown(grid.load([report(tmp_path / "prefill_hf_a.json", [anchored, alone, failed])]))
     named = "deepseek_v4 bf16 tp 2 T = 16384, deepseek_v4 bf16 tp 4 T = 65536"
     assert f"Measured without the hand-written SP beside hcpasses': {named}." in text
+
+
+def test_a_cell_whose_run_failed_in_every_variant_is_named_with_its_error_and_measured_last(tmp_path: Path) -> None:
+    """deepseek_v4 at T = 65536 ran out of memory on an 80 GB H100 in every variant (2026-12-07): such a run is no
+    row (an earlier run's row stays), the table names the cell with the error, GPU, date and file, and its command
+    comes after every other (it may need a GPU with more memory)."""
+    oom = {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.06 GiB."}
+    failed = case(model="deepseek_v4", tp=8, tokens=65536, sp_off=oom, hcpasses_sp=oom, handwritten_sp=oom)
+    ran = case(model="deepseek_v4", tp=8, tokens=16384, sp_off=variant(9, 9), handwritten_sp=variant(8, 8))
+    runs = grid.load([report(tmp_path / "prefill_hf_a.json", [failed, ran], device="NVIDIA H100 80GB HBM3")])
+    rows = grid.newest(runs)
+    cell = grid.Cell("deepseek_v4", "bf16", 8, 65536)
+    assert cell not in rows and set(grid.failures(runs, rows)) == {cell}
+    text = grid.markdown(runs)
+    expected = f"- {grid.label(cell)}: OutOfMemoryError on H100, 2026-12-05, `prefill_hf_a.json`"
+    assert expected in text.splitlines(), text
+    assert "; 1 of them failed, below)" in text and f"{grid.label(cell)}," not in text.split("Failed in every")[0]
+    commands = [c.split(" --variants")[0] for c in grid.missing_commands(rows, frozenset(grid.failures(runs, rows)))]
+    assert commands[-1] == "--models deepseek_v4 --layers 2 --dtypes bf16 --tp 8 --tokens 65536"
+    assert commands.index(commands[-1]) > commands.index("--models qwen4_exp --layers 3 --dtypes bf16 --tp 1 "
+                                                         "--tokens 16384,65536")  # fmt: skip
+    # a later run that fails leaves the earlier row where it was
+    earlier = case(model="deepseek_v4", tp=8, tokens=65536, sp_off=variant(30, 31), hcpasses_sp=variant(25, 26))
+    both = [report(tmp_path / "prefill_hf_0.json", [earlier], date="2026-12-04"), tmp_path / "prefill_hf_a.json"]
+    runs = grid.load(both)
+    assert grid.newest(runs)[cell].file == "prefill_hf_0.json" and not grid.failures(runs, grid.newest(runs))
