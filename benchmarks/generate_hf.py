@@ -229,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=2, help="generate calls after the first (>= 2 to time replayed CUDA graphs)"
     )
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"compiled variants, of {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--qsa-batched",
+        action="store_true",
+        help="qwen4_exp's QSA selection for all queries at once, in eager's reference too (opt-in; README)",
+    )
     args = parser.parse_args(argv)
     args.variants = args.variants.split(",")
     if not set(args.variants) <= set(VARIANTS):
@@ -249,10 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
+        "qsa_batched": args.qsa_batched,
         "method": __doc__,
         "cases": [],
     }
-    with eager_kernels_under_compile():
+    with eager_kernels_under_compile(qsa_batched=args.qsa_batched):
         for tp in tps:
             result["cases"].append({"tp": tp, **guarded(lambda tp=tp: run_case(tp, args, device))})
             args.out.parent.mkdir(parents=True, exist_ok=True)

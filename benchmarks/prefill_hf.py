@@ -121,6 +121,7 @@ class Settings:
     smoke: bool
     eager_kernels: bool
     trace_dir: Path | None = None
+    qsa_batched: bool = False  # qwen4_exp's QSA selection for all queries at once (hcpasses.hf.qsa_batched)
 
     @property
     def device(self) -> torch.device:
@@ -554,7 +555,8 @@ def cases(settings: Settings) -> Iterator[tuple[str, str, int, tuple[Case, ...]]
 def run(settings: Settings, path: Path, command: str) -> dict[str, Any]:
     """Every case, the JSON at ``path`` rewritten after each; ``command`` is recorded in its header."""
     report = header(settings, command)
-    kernels = eager_kernels_under_compile() if settings.eager_kernels else contextlib.nullcontext({})
+    on = settings.eager_kernels
+    kernels = eager_kernels_under_compile(settings.qsa_batched) if on else contextlib.nullcontext({})
     with kernels as patched:
         report["patched"] = patched
         run_cases(settings, path, report)
@@ -683,6 +685,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
         action="store_true",
         help="run without hcpasses.hf.eager_kernels_under_compile (GatedDeltaNet as Dynamo traces it)",
     )
+    parser.add_argument(
+        "--qsa-batched",
+        action="store_true",
+        help="qwen4_exp's QSA token selection for all queries at once (opt-in: ties may break otherwise; README)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     parser.add_argument(
         "--trace", type=Path, default=None, help="write each variant's profile there as a Chrome trace (JSON)"
@@ -705,6 +712,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
         smoke=smoke,
         eager_kernels=not args.as_traced,
         trace_dir=args.trace,
+        qsa_batched=args.qsa_batched,
     )
     stem = f"{'smoke_' if smoke else ''}prefill_hf{'_' + args.tag if args.tag else ''}"
     return settings, args.out / f"{stem}.json"

@@ -3,6 +3,7 @@ records, the table), and its ``--cpu-smoke`` run end to end with every variant (
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -131,6 +132,28 @@ def test_subsets_are_checked() -> None:
         prefill_hf.parse_args(["--models", "llama"])
     settings, path = prefill_hf.parse_args(["--cpu-smoke", "--tp", "1,2", "--tag", "x"])
     assert settings.tps == (1, 2) and settings.tokens == (32,) and path.name == "smoke_prefill_hf_x.json"
+
+
+def test_qsa_batched_reaches_the_selection_op_and_the_header(monkeypatch, tmp_path: Path) -> None:
+    """``--qsa-batched`` (default off) opens ``eager_kernels_under_compile(qsa_batched=True)`` and is recorded in
+    the JSON header's settings; ``--as-traced`` opens no context at all."""
+    opened = []
+
+    @contextlib.contextmanager
+    def kernels(qsa_batched: bool = False):
+        opened.append(qsa_batched)
+        yield {"qsa_selection_op": []}
+
+    monkeypatch.setattr(prefill_hf, "eager_kernels_under_compile", kernels)
+    monkeypatch.setattr(prefill_hf, "run_cases", lambda settings, path, report: None)
+    for argv, wanted in ((["--cpu-smoke"], [False]), (["--cpu-smoke", "--qsa-batched"], [True])):
+        opened.clear()
+        settings, _ = prefill_hf.parse_args(argv)
+        report = prefill_hf.run(settings, tmp_path / "x.json", "cmd")
+        assert opened == wanted and report["settings"]["qsa_batched"] is wanted[0]
+    opened.clear()
+    prefill_hf.run(prefill_hf.parse_args(["--cpu-smoke", "--as-traced"])[0], tmp_path / "x.json", "cmd")
+    assert opened == []
 
 
 @pytest.mark.thorough

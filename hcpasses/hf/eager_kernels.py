@@ -19,11 +19,12 @@ from hcpasses.hf.qsa_selection_op import qsa_selection_as_one_op
 
 
 @contextlib.contextmanager
-def eager_kernels_under_compile() -> Iterator[dict[str, list[str]]]:
-    """Yields the modules patched: ``{"export_check": [...], "delta_rule_op": [...], "qsa_selection_op": [...]}``."""
+def eager_kernels_under_compile(qsa_batched: bool = False) -> Iterator[dict[str, list[str]]]:
+    """Yields the modules patched: ``{"export_check": [...], "delta_rule_op": [...], "qsa_selection_op": [...]}``.
+    ``qsa_batched``: the QSA selection for all queries at once (``hcpasses.hf.qsa_batched``; opt-in)."""
     with (
         export_check_read_from_flag() as checks,
         delta_rule_as_one_op() as delta_rules,
-        qsa_selection_as_one_op() as selections,
+        qsa_selection_as_one_op(batched=qsa_batched) as selections,
     ):
         yield {"export_check": checks, "delta_rule_op": delta_rules, "qsa_selection_op": selections}

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hcpasses.hf.qsa_batched import select_tokens_batched
+
 CLASS_NAME = "Qwen4ExpTextQSAIndexer"
 METHOD_NAME = "_select_tokens"
 logger = logging.getLogger(__name__)
@@ -61,12 +63,20 @@ def _run_selection(
     key_norm_eps: float,
     token_budget: int,
     compress_ratio: int,
+    batched: bool = False,
 ) -> torch.Tensor:
-    """The class's token selection, run eagerly on a stand-in indexer that holds the fields it reads."""
+    """The class's token selection, run eagerly on a stand-in indexer that holds the fields it reads; with
+    ``batched``, ``qsa_batched.select_tokens_batched`` where the mask allows it."""
     module = importlib.import_module(module_name)
     head_dim = q.shape[-1]
     key_norm = getattr(module, norm_class)(head_dim, eps=key_norm_eps)
     key_norm.weight = nn.Parameter(key_norm_weight, requires_grad=False)
+    rope = getattr(module, "apply_rotary_pos_emb", None)
+    if batched and rope is not None:
+        visible = (attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0)[:, 0]
+        args = (q, raw_keys, full_cos, full_sin, visible, token_budget, compress_ratio, key_norm, rope)
+        if (mask := select_tokens_batched(*args)) is not None:
+            return mask
     indexer = SimpleNamespace(
         token_budget=token_budget,
         compress_ratio=compress_ratio,
@@ -100,7 +110,7 @@ qsa_select_tokens = torch.library.custom_op(
 @qsa_select_tokens.register_fake
 def _(module_name: str, norm_class: str, hidden_states: torch.Tensor, q: torch.Tensor, raw_keys: torch.Tensor,
       full_cos: torch.Tensor, full_sin: torch.Tensor, attention_mask: torch.Tensor, key_norm_weight: torch.Tensor,
-      key_norm_eps: float, token_budget: int, compress_ratio: int) -> torch.Tensor:  # fmt: skip
+      key_norm_eps: float, token_budget: int, compress_ratio: int, batched: bool = False) -> torch.Tensor:  # fmt: skip
     return hidden_states.new_empty(_mask_shape(hidden_states, attention_mask), dtype=torch.bool)
 
 
@@ -118,7 +128,7 @@ def _covered(indexer: nn.Module) -> bool:
     )
 
 
-def _as_one_op(module_name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+def _as_one_op(module_name: str, method: Callable[..., Any], batched: bool) -> Callable[..., Any]:
     method = _replaced(method)  # in a nested context, wrap what the outer one replaced
 
     def select_tokens(
@@ -136,7 +146,7 @@ def _as_one_op(module_name: str, method: Callable[..., Any]) -> Callable[..., An
         norm = self.k_layernorm
         return torch.ops.hcpasses.qsa_select_tokens(
             module_name, type(norm).__name__, hidden_states, q, raw_keys, full_cos, full_sin, attention_mask,
-            norm.weight, norm.eps, self.token_budget, self.compress_ratio,
+            norm.weight, norm.eps, self.token_budget, self.compress_ratio, batched,
         )  # fmt: skip
 
     select_tokens.replaced_method = method  # type: ignore[attr-defined]  # the op's body calls it
@@ -165,8 +175,9 @@ def _warn_unpatched(names: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def qsa_selection_as_one_op() -> Iterator[list[str]]:
-    """While open, the loaded transformers modules' QSA token selection is ``hcpasses::qsa_select_tokens``.
+def qsa_selection_as_one_op(batched: bool = False) -> Iterator[list[str]]:
+    """While open, the loaded transformers modules' QSA token selection is ``hcpasses::qsa_select_tokens``;
+    ``batched``: all queries at once where the mask allows (``qsa_batched``: opt-in, ties may break otherwise).
 
     Yields the names of the modules whose class it patched (a class without the method: a warning names it).
     Dynamo reads the method when it traces (first call, recompiles): keep the compiled model's calls inside the
@@ -179,7 +190,7 @@ def qsa_selection_as_one_op() -> Iterator[list[str]]:
     saved = [cls.__dict__[METHOD_NAME] for cls in classes]
     try:
         for name, cls, method in zip(names, classes, saved, strict=True):
-            setattr(cls, METHOD_NAME, _as_one_op(name, method))
+            setattr(cls, METHOD_NAME, _as_one_op(name, method, batched))
         yield names
     finally:
         for cls, method in zip(classes, saved, strict=True):

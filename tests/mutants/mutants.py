@@ -465,6 +465,28 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_a_slice_of_the_padded_rows",),
     ),
     Mutant(
+        name="qsa_batched_scores_unseen_blocks",
+        fault="the batched QSA selection lets a query pick blocks it cannot see yet (no -inf past its complete blocks)",
+        file="hcpasses/hf/qsa_batched.py",
+        old="""                scores = scores.masked_fill(block_id >= complete[:, None], float("-inf"))
+""",
+        new="""                scores = scores.masked_fill(block_id >= blocks, float("-inf"))  # "every block is in the past"
+""",
+        tests=("tests/real_models/test_qsa_selection_op.py",),
+        k="batched",
+    ),
+    Mutant(
+        name="qsa_batched_rope_from_key_zero",
+        fault="the batched QSA selection ropes each block key at its position counted from key 0, not from the start",
+        file="hcpasses/hf/qsa_batched.py",
+        old="""    firsts = torch.arange(blocks, device=raw_keys.device) * ratio + start
+""",
+        new="""    firsts = torch.arange(blocks, device=raw_keys.device) * ratio
+""",
+        tests=("tests/real_models/test_qsa_selection_op.py",),
+        k="batched",
+    ),
+    Mutant(
         name="prologue_ignores_bytes",
         fault="a sub-layer's prologue joins the region whatever it leaves to gather (x gathered beside its norm)",
         file="hcpasses/passes/sp_rewrite/region.py",

@@ -39,9 +39,12 @@ def _needs_the_method(request: pytest.FixtureRequest) -> None:
         pytest.skip(f"needs transformers >= 5.25 (Qwen4ExpTextQSAIndexer._select_tokens); {transformers.__version__}")
 
 
-def captured_selections(ids: torch.Tensor, float_mask: bool = False) -> list[tuple[torch.nn.Module, tuple]]:
-    """``(indexer, args)`` of every call of the selection in one eager forward of the tiny model on ``ids``."""
-    model = FAMILIES["qwen4_exp"](**TWO_LAYERS)
+def captured_selections(
+    ids: torch.Tensor, float_mask: bool = False, padding: torch.Tensor | None = None, **config: object
+) -> list[tuple[torch.nn.Module, tuple]]:
+    """``(indexer, args)`` of every call of the selection in one eager forward of the tiny model on ``ids`` (with
+    the 2-D ``attention_mask`` ``padding``; ``config``: overrides of the tiny model's)."""
+    model = FAMILIES["qwen4_exp"](**TWO_LAYERS, **config)
     original = INDEXER._select_tokens
     calls = []
 
@@ -52,13 +55,14 @@ def captured_selections(ids: torch.Tensor, float_mask: bool = False) -> list[tup
         return original(self, *args, **kwargs)
 
     with mock.patch.object(INDEXER, "_select_tokens", spy), torch.no_grad():
-        model(ids)
+        model(ids, attention_mask=padding)
     return calls
 
 
-def op_args(indexer: torch.nn.Module, args: tuple) -> tuple:
+def op_args(indexer: torch.nn.Module, args: tuple, batched: bool = False) -> tuple:
     norm = indexer.k_layernorm
-    return (MODULE, type(norm).__name__, *args, norm.weight, norm.eps, indexer.token_budget, indexer.compress_ratio)
+    fields = (norm.weight, norm.eps, indexer.token_budget, indexer.compress_ratio, batched)
+    return (MODULE, type(norm).__name__, *args, *fields)
 
 
 @pytest.mark.parametrize(
@@ -212,3 +216,93 @@ def test_a_class_without_the_method_is_left_alone_with_a_warning(monkeypatch, ca
         assert patched == ([MODULE] if "_select_tokens" in INDEXER.__dict__ else [])
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert name in warning and "_select_tokens" in warning and transformers.__version__ in warning, warning
+
+
+SIXTEEN_HEADS = {"indexer_n_heads": 16}  # a score is exactly 0 (a tie) when every head's product is negative: 2^-16
+LONG = 61  # 15 complete blocks of 4 and a tail of 1 for the last query; block_topk 2 of them
+
+
+def left_padded(pad: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(128, (2, LONG), generator=torch.Generator().manual_seed(seed))
+    padding = torch.ones(2, LONG, dtype=torch.long)
+    padding[1, :pad] = 0  # the second sequence left-padded: its visible keys start at pad
+    return ids, padding
+
+
+@pytest.mark.parametrize(
+    ("ids", "padding", "float_mask"),
+    [
+        (torch.randint(128, (1, LONG), generator=torch.Generator().manual_seed(21)), None, False),
+        (torch.randint(128, (2, LONG), generator=torch.Generator().manual_seed(22)), None, True),
+        (*left_padded(7, 23), False),
+        (torch.randint(128, (1, 3), generator=torch.Generator().manual_seed(24)), None, False),  # no complete block
+    ],
+    ids=["one", "two-float-mask", "left-padded", "short"],
+)
+def test_the_batched_selection_is_the_methods_on_real_forwards(
+    ids: torch.Tensor, padding: torch.Tensor | None, float_mask: bool
+) -> None:
+    """All queries at once (``batched=True``) select exactly the method's tokens on the arguments of eager forwards
+    (random weights and ids, 16 indexer heads: no tie), padded sequences included (each sequence's own start)."""
+    ((indexer, args),) = captured_selections(ids, float_mask, padding, **SIXTEEN_HEADS)
+    want = INDEXER._select_tokens(indexer, *args)
+    with mock.patch.object(INDEXER, "_select_tokens", side_effect=AssertionError("the loop ran")):
+        got = OP(*op_args(indexer, args, batched=True))
+    assert got.dtype == torch.bool and got.shape == want.shape
+    assert torch.equal(got, want)
+    assert want.any() and (ids.shape[1] < 4 or not want.all())
+    torch.library.opcheck(OP, op_args(indexer, args, batched=True), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_visibility_that_is_not_one_run_per_sequence_goes_to_the_loop() -> None:
+    """A query whose visible keys have a hole (or start elsewhere than its sequence's first key): the batched path
+    declines (``shared_start_runs`` is None) and the op runs the method: its selection exactly."""
+    from hcpasses.hf.qsa_batched import shared_start_runs
+
+    ((indexer, args),) = captured_selections(torch.randint(128, (1, LONG)), **SIXTEEN_HEADS)
+    holed = args[-1].clone()
+    holed[0, 0, 40, 17] = False  # query 40 no longer sees key 17
+    args = (*args[:-1], holed)
+    assert shared_start_runs(holed[:, 0]) is None and shared_start_runs(captured_mask(LONG)) is not None
+    want = INDEXER._select_tokens(indexer, *args)
+    assert torch.equal(OP(*op_args(indexer, args, batched=True)), want)
+
+
+def captured_mask(length: int) -> torch.Tensor:
+    return torch.ones(length, length, dtype=torch.bool).tril()[None]
+
+
+def test_ties_leave_the_count_of_blocks_and_the_tail_as_the_method_has_them() -> None:
+    """q = 0: every block scores 0, all tied: which blocks ``topk`` picks is its implementation's choice, in the loop
+    as batched; what must agree is how many (min(block_topk, complete blocks)), that they are complete blocks, and
+    the tail."""
+    ((indexer, args),) = captured_selections(torch.randint(128, (1, LONG)), **SIXTEEN_HEADS)
+    args = (args[0], torch.zeros_like(args[1]), *args[2:])
+    want = INDEXER._select_tokens(indexer, *args)[0, 0]
+    got = OP(*op_args(indexer, args, batched=True))[0, 0]
+    assert torch.equal(got.sum(-1), want.sum(-1))
+    for query in range(LONG):
+        complete = (query + 1) // 4
+        assert torch.equal(got[query, complete * 4 :], want[query, complete * 4 :])  # the tail, and nothing after
+        blocks = got[query, : complete * 4].view(-1, 4)
+        assert (blocks.all(-1) | ~blocks.any(-1)).all()  # whole blocks only
+        assert blocks.all(-1).sum() == min(2, complete)
+
+
+def test_the_batched_selection_compiles_and_gives_eagers_logits() -> None:
+    """Through ``eager_kernels_under_compile(qsa_batched=True)``: one graph, the op called with ``batched`` set,
+    Inductor's logits equal to eager's (the method's selection) on a left-padded batch."""
+    model = FAMILIES["qwen4_exp"](**TWO_LAYERS, **SIXTEEN_HEADS)
+    ids, padding = left_padded(5, 31)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=padding).logits
+    recorder = GraphRecorder()
+    torch._dynamo.reset()
+    with eager_kernels_under_compile(qsa_batched=True), torch.no_grad():
+        recorded = torch.compile(model, backend=recorder)(ids, attention_mask=padding).logits
+        compiled = torch.compile(model, backend="inductor")(ids, attention_mask=padding).logits
+    (graph,) = recorder.graphs
+    (call,) = [node for node in graph.graph.nodes if node.target is OP]
+    assert call.args[-1] is True
+    torch.testing.assert_close(recorded, expected, rtol=0, atol=0)
+    torch.testing.assert_close(compiled, expected, rtol=1e-4, atol=1e-5)
