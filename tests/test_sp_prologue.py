@@ -1,7 +1,7 @@
 """SP prologues: a sub-layer's row-local steps before its GEMMs (an RMS norm cast to the GEMMs' bf16, after an fp32
-HC collapse, as deepseek_v4's mHC) run on the shards when the value they leave is narrower than the one gathered
-today, and the gather moves that value (bf16 instead of fp32). Checked at static, ragged and symbolic token counts
-against SP off and eager; a norm that narrows nothing, a norm beside another reader of x, and a step across the
+HC collapse, as deepseek_v4's mHC) run on the shards when the value they leave is no wider than the one gathered
+today, and the gather moves that value (bf16 instead of fp32; an fp32 norm's fp32 result). Checked at static,
+ragged and symbolic token counts against SP off and eager; a norm beside another reader of x and a step across the
 tokens keep the gather where it was, without cutting the region."""
 
 from __future__ import annotations
@@ -38,6 +38,23 @@ def capture(prologue: str, tokens: int, tp: int, dynamic: bool = False) -> RankG
         dynamic=dynamic,
         codegen=dynamic,
     )
+
+
+aten = torch.ops.aten
+GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+VIEWS = {aten.slice.Tensor, aten.reshape.default, aten.view.default, aten.permute.default, aten.t.default}
+VIEWS |= {torch.ops._c10d_functional.wait_tensor.default}
+
+
+def steps_to_gemms(gather: torch.fx.Node) -> set:
+    """The ops on the paths from an all-gather to the GEMMs that read its rows."""
+    visited, stack = set(), list(gather.users)
+    while stack:
+        node = stack.pop()
+        if node.target not in GEMMS and node not in visited:
+            visited.add(node)
+            stack.extend(node.users)
+    return {node.target for node in visited}
 
 
 def gathered_dtypes(gm: torch.fx.GraphModule) -> list[torch.dtype]:
@@ -83,7 +100,6 @@ def test_a_symbolic_token_count_gathers_the_narrower_prologue_value() -> None:
 @pytest.mark.parametrize(
     ("prologue", "why"),
     [
-        ("norm", "an fp32 norm narrows nothing"),
         ("branch", "x is gathered for its gate anyway: the bf16 norm would add bytes"),
         ("centred_bf16", "the centring reads every token: the cast after it cannot move"),
     ],
@@ -93,10 +109,30 @@ def test_a_prologue_that_would_not_gather_fewer_bytes_stays_after_the_gather(pro
     sp = sharded.report.record("sp_rewrite")
     assert sp.facts["prologue_gathers"] == 0, (why, sp.notes)
     assert sp.facts["cuts"] == 0 and sp.applied == SUBLAYERS + 1, (why, sp.notes)
-    assert f"{NARROWED}, narrower (a norm and its cast before the GEMMs): none" in sp.notes, sp.notes
+    assert f"{NARROWED}, no wider (a norm and its cast before the GEMMs): none" in sp.notes, sp.notes
     for gm in sharded.graphs:
         assert gathered_dtypes(gm)[:SUBLAYERS] == [torch.float32] * SUBLAYERS, (why, gm.graph)
     assert_like_sp_off_and_eager(sharded, 10, prologue)
+
+
+def test_a_norm_that_leaves_as_many_bytes_runs_on_the_shards() -> None:
+    """An fp32 norm of the fp32 x leaves as many bytes per token to gather as x itself: it runs on the shards (R
+    rows, as the hand-written SP's norms; left after the gather it ran on all T rows of every rank: the bf16 norms
+    of qwen4_exp and deepseek_v4), and the gather moves its result."""
+    sharded = capture("norm", 10, 2)
+    sp = sharded.report.record("sp_rewrite")
+    assert sp.facts["prologue_gathers"] == SUBLAYERS and sp.facts["cuts"] == 0, sp.notes
+    narrowed = next(note for note in sp.notes if note.startswith(NARROWED))
+    assert narrowed.count("torch.float32 [32]") == SUBLAYERS, narrowed
+    for gm in sharded.graphs:
+        assert gathered_dtypes(gm) == [torch.float32] * (SUBLAYERS + 1), gm.graph
+        norms = [node for node in gm.graph.nodes if node.target is torch.ops.aten.rsqrt.default]
+        assert len(norms) >= 2 * SUBLAYERS + 1  # the HC blocks' and the sub-layers' norms
+        assert {node.meta["val"].shape[0] for node in norms} == {5}, [n.meta["val"].shape for n in norms]  # R rows
+        # the whole norm, its weight too, ran before the gather: between a gather and its GEMMs only views
+        for gather in [node for node in gm.graph.nodes if node.target is GATHER][:SUBLAYERS]:
+            assert steps_to_gemms(gather) <= VIEWS, (steps_to_gemms(gather), gm.graph)
+    assert_like_sp_off_and_eager(sharded, 10, "norm")
 
 
 def test_the_prologue_model_gathers_fp32_without_the_prologue_step(monkeypatch: pytest.MonkeyPatch) -> None:

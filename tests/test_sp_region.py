@@ -232,17 +232,20 @@ def test_with_a_symbolic_count_kept_rows_pay_only_from_sp_min_tokens(min_tokens:
         assert why == "slice_1 keeps 3 of as few as 4 rows: 2 copies of them are no fewer than all rows"
 
 
-def test_a_sub_layers_norm_before_bf16_gemms_joins_the_region_only_where_it_narrows_the_gather() -> None:
+def test_a_sub_layers_norm_joins_the_region_only_where_it_leaves_no_more_bytes_to_gather() -> None:
     narrowed = user_hc(prologue="norm_bf16")
     [region] = narrowed.regions
     assert narrowed.cuts == ()
     assert len(region.prologue) == 2 * LAYERS and all("(torch.bfloat16 [32])" in name for name in region.prologue)
     gathered = [exit for exit in region.exits if exit.value.meta["val"].dtype == torch.bfloat16]
     assert len(gathered) == 2 * LAYERS
-    for prologue in ("none", "norm", "branch", "centred_bf16"):  # fp32 after the norm, a gate beside it, a centring
+    for prologue in ("none", "branch", "centred_bf16"):  # no norm, a gate beside it, a centring across the tokens
         plan = user_hc(prologue=prologue)
         [region] = plan.regions
         assert plan.cuts == () and region.prologue == (), prologue
+    # an fp32 norm leaves as many bytes as x: it joins too (on the shards it runs on 1/tp of the rows)
+    [region] = user_hc(prologue="norm").regions
+    assert len(region.prologue) == 2 * LAYERS and all("(torch.float32 [32])" in name for name in region.prologue)
 
 
 def chain() -> tuple[fx.Graph, list[fx.Node]]:

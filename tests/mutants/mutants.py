@@ -470,7 +470,7 @@ MUTANTS: tuple[Mutant, ...] = (
         file="hcpasses/hf/qsa_batched.py",
         old="""                scores = scores.masked_fill(block_id >= complete[:, None], float("-inf"))
 """,
-        new="""                scores = scores.masked_fill(block_id >= blocks, float("-inf"))  # "every block is in the past"
+        new="""                scores = scores.masked_fill(block_id >= blocks, float("-inf"))  # "all in the past"
 """,
         tests=("tests/real_models/test_qsa_selection_op.py",),
         k="batched",
@@ -490,12 +490,36 @@ MUTANTS: tuple[Mutant, ...] = (
         name="prologue_ignores_bytes",
         fault="a sub-layer's prologue joins the region whatever it leaves to gather (x gathered beside its norm)",
         file="hcpasses/passes/sp_rewrite/region.py",
-        old="""        return grown if sum(after) < sum(_row_bytes(node, self.rules) for node in feeding) else set()
+        old="""        return grown if grown and sum(after) <= before else set()
 """,
         new="""        return grown  # "on the shards is always cheaper"
 """,
         tests=("tests/test_sp_prologue.py",),
-        k="branch or narrows",
+        k="branch",
+    ),
+    Mutant(
+        name="prologue_needs_fewer_bytes",
+        fault="a sub-layer's prologue joins the region only where it leaves strictly fewer bytes (a bf16 norm of a "
+        "bf16 x stays after the gather, on all T rows)",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""        return grown if grown and sum(after) <= before else set()
+""",
+        new="""        return grown if grown and sum(after) < before else set()
+""",
+        tests=("tests/test_sp_prologue.py",),
+        k="as_many",
+    ),
+    Mutant(
+        name="prologue_drops_the_norm_weight",
+        fault="a prologue step of as many bytes as its input is dropped even where it computes (the norm's weight "
+        "multiplies the gathered rows, on all T of them)",
+        file="hcpasses/passes/sp_rewrite/region.py",
+        old="""        return moved < kept or (moved == kept and is_pointwise(node) and node.target not in ELEMENTWISE)
+""",
+        new="""        return moved < kept
+""",
+        tests=("tests/test_sp_prologue.py",),
+        k="as_many",
     ),
     Mutant(
         name="prologue_takes_gemms",

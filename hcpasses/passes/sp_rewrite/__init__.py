@@ -225,7 +225,7 @@ def _plan_notes(plan: Plan, found: int) -> list[str]:
         f"values gathered only in the rows a token slice keeps (logits_to_keep): {', '.join(kept) or 'none'}",
         f"nodes after the HC blocks run on the shards, before those slices (a final norm): "
         f"{sum(r.tail for r in plan.regions)}",
-        f"sub-layer inputs gathered past their row-local prologue, narrower (a norm and its cast before the GEMMs): "
+        f"sub-layer inputs gathered past their row-local prologue, no wider (a norm and its cast before the GEMMs): "
         f"{', '.join(narrowed) or 'none'}",
         *(
             [f"slices along the tokens that read every row all the same (gathered): {'; '.join(unkept)}"]

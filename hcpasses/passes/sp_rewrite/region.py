@@ -23,7 +23,7 @@ import torch.fx as fx
 from hcpasses.passes.sp_rewrite.collectives import ALL_REDUCE, WAIT, AllReduceMatch, TPGroup
 from hcpasses.passes.sp_rewrite.graph import ancestors, descendants, node_order, tensor_operands
 from hcpasses.passes.sp_rewrite.kept import ROW_PICKS, KeptRows, indexed_rows, kept_rows
-from hcpasses.passes.sp_rewrite.rules import REDUCTIONS, SIZE_OPS, RowRules, dim_arg, is_pointwise
+from hcpasses.passes.sp_rewrite.rules import ELEMENTWISE, REDUCTIONS, SIZE_OPS, RowRules, dim_arg, is_pointwise
 from hcpasses.passes.sp_rewrite.tokens import (
     Layout,
     Size,
@@ -334,14 +334,18 @@ class _RegionBuilder:
     def _prologue(self, region: set[fx.Node], refused: set[fx.Node]) -> set[fx.Node]:
         """Row-local steps after the ``region`` that its values flow through before the sub-layers' GEMMs read them
         (an RMS norm and its cast to the GEMM's dtype: deepseek_v4 sums its mHC collapse in fp32), taken into the
-        region where that leaves fewer bytes per token to gather: on the shards they run on 1/tp of the rows, and
-        the gather moves the narrower value (Megatron's sequence parallelism runs its norms on the shards too).
+        region where that leaves no more bytes per token to gather: on the shards they run on 1/tp of the rows, and
+        the gather moves the value they leave, narrower or as wide (Megatron's sequence parallelism runs its norms
+        on the shards too). As wide counts: a bf16 norm of a bf16 x left on the gathered rows ran on all T rows of
+        every rank (qwen4_exp's and deepseek_v4's bf16 sub-layer norms: a kernel over T rows per sub-layer that the
+        hand-written SP runs on T/tp).
 
         A step is pointwise, a reduction, a view or a dim op of the leading dims (no GEMM, no token index: a GEMM's
         weight may be a TP shard, whose rows would differ between ranks), reading region values and values without
         tokens alone (a norm's weight: replicated like the HC weights, DESIGN §3). From every such step, steps are
-        dropped while one that outside nodes read is no narrower than what gathering its inputs instead would cost
-        (with what it feeds); then all, unless the gather leaves strictly fewer bytes per token. Nodes the checks
+        dropped while one that outside nodes read is wider than what gathering its inputs instead would cost, or as
+        wide and no arithmetic (``_narrows``; with what it feeds); then all, unless the gather leaves more bytes per
+        token. Nodes the checks
         ``refused`` and what they feed stay outside."""
         grown: set[fx.Node] = set()
         for node in self.graph.nodes:
@@ -360,7 +364,8 @@ class _RegionBuilder:
         feeding = {arg for node in grown for arg in node.all_input_nodes if arg in region}  # gathered today
         inside = region | grown
         after = [_row_bytes(node, self.rules) for node in feeding | grown if _read_outside(node, inside)]
-        return grown if sum(after) < sum(_row_bytes(node, self.rules) for node in feeding) else set()
+        before = sum(_row_bytes(node, self.rules) for node in feeding)
+        return grown if grown and sum(after) <= before else set()
 
     def _fed_by(self, nodes: set[fx.Node], steps: set[fx.Node]) -> set[fx.Node]:
         """``nodes`` and the ``steps`` that read them through steps (not the later blocks' steps, which read them
@@ -373,11 +378,15 @@ class _RegionBuilder:
 
     def _narrows(self, node: fx.Node, inside: set[fx.Node]) -> bool:
         """A prologue step that nodes outside read (it would be gathered) moves fewer bytes per token than the
-        inputs that would be gathered in its place (those not gathered anyway); one read inside only is kept."""
+        inputs that would be gathered in its place (those not gathered anyway), or as many and computes (pointwise
+        arithmetic: a norm's weight; it then runs on the shards); one read inside only is kept. A view or a copy of
+        as many bytes is dropped and its input gathered in its place: once for all the views of it that several
+        GEMMs read, and a copy of a broadcast (``clone`` of an ``expand``) is wider than what it copies."""
         if not _read_outside(node, inside):
             return True
         instead = [arg for arg in node.all_input_nodes if arg in inside and not _read_outside(arg, inside)]
-        return _row_bytes(node, self.rules) < sum(_row_bytes(arg, self.rules) for arg in instead)
+        moved, kept = _row_bytes(node, self.rules), sum(_row_bytes(arg, self.rules) for arg in instead)
+        return moved < kept or (moved == kept and is_pointwise(node) and node.target not in ELEMENTWISE)
 
     def _narrowed(self, region: Region, prologue: set[fx.Node]) -> tuple[str, ...]:
         """Each gathered prologue value, as the report names it: ``name (dtype [per-token shape])``."""
