@@ -120,3 +120,27 @@ def test_the_qwen4_exp_it_generates_with_ends_with_the_indexed_attention_layer()
         assert config.ple_layer_ids == ple
     with pytest.raises(SystemExit):
         generate_hf.main(["--cpu-smoke", "--model", "qwen4_exp", "--layers", "1", "--out", "/dev/null"])
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_qsa_batched_reaches_the_selection_op_and_the_json(flag: bool, tmp_path: Path, monkeypatch) -> None:
+    """``--qsa-batched`` (default off) opens ``eager_kernels_under_compile(qsa_batched=True)`` around every case and
+    is recorded in the JSON."""
+    import contextlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import generate_hf
+
+    opened = []
+
+    @contextlib.contextmanager
+    def kernels(qsa_batched: bool = False):
+        opened.append(qsa_batched)
+        yield {}
+
+    monkeypatch.setattr(generate_hf, "eager_kernels_under_compile", kernels)
+    monkeypatch.setattr(generate_hf, "run_case", lambda tp, args, device: {"error": "not run"})
+    out = tmp_path / "g.json"
+    argv = ["--out", str(out), "--cpu-smoke", "--tp", "1", "--model", "qwen4_exp"] + (["--qsa-batched"] if flag else [])
+    assert generate_hf.main(argv) == 0
+    assert opened == [flag] and json.loads(out.read_text())["qsa_batched"] is flag
