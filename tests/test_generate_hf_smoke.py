@@ -5,6 +5,7 @@ step is, and each run records its timings and graphs (issue #27 item 6; the real
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -126,8 +127,6 @@ def test_the_qwen4_exp_it_generates_with_ends_with_the_indexed_attention_layer()
 def test_qsa_batched_reaches_the_selection_op_and_the_json(flag: bool, tmp_path: Path, monkeypatch) -> None:
     """``--qsa-batched`` (default off) opens ``eager_kernels_under_compile(qsa_batched=True)`` around every case and
     is recorded in the JSON."""
-    import contextlib
-
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import generate_hf
 

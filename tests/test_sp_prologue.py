@@ -117,8 +117,8 @@ def test_a_prologue_that_would_not_gather_fewer_bytes_stays_after_the_gather(pro
 
 def test_a_norm_that_leaves_as_many_bytes_runs_on_the_shards() -> None:
     """An fp32 norm of the fp32 x leaves as many bytes per token to gather as x itself: it runs on the shards (R
-    rows, as the hand-written SP's norms; left after the gather it ran on all T rows of every rank: the bf16 norms
-    of qwen4_exp and deepseek_v4), and the gather moves its result."""
+    rows, as the hand-written SP's norms; left after the gather it ran on all T rows of every rank: deepseek_v4's
+    bf16 input norms), and the gather moves its result."""
     sharded = capture("norm", 10, 2)
     sp = sharded.report.record("sp_rewrite")
     assert sp.facts["prologue_gathers"] == SUBLAYERS and sp.facts["cuts"] == 0, sp.notes

@@ -445,12 +445,12 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="shard_every_rank_slices_rank_zero",
-        fault="a symbolic N's shard slices rows 0..R on every rank (each rank shards rank 0's rows)",
+        fault="the shard slices rows 0..R on every rank (each rank shards rank 0's rows)",
         file="hcpasses/passes/sp_rewrite/emit.py",
-        old="""            begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
-            end = self.rows if self.rank == 0 else _node(_proxy(self.rows) * (self.rank + 1))
+        old="""        begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)  # ints stay ints
+        end = self.rows if self.rank == 0 else _node(_proxy(self.rows) * (self.rank + 1))
 """,
-        new="""            begin, end = 0, self.rows  # "the slice is relative to this rank's shard"
+        new="""        begin, end = 0, self.rows  # "the slice is relative to this rank's shard"
 """,
         tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_a_slice_of_the_padded_rows",),
     ),
@@ -490,7 +490,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="prologue_ignores_bytes",
         fault="a sub-layer's prologue joins the region whatever it leaves to gather (x gathered beside its norm)",
         file="hcpasses/passes/sp_rewrite/region.py",
-        old="""        return grown if grown and sum(after) <= before else set()
+        old="""        return grown if sum(after) <= before else set()
 """,
         new="""        return grown  # "on the shards is always cheaper"
 """,
@@ -502,9 +502,9 @@ MUTANTS: tuple[Mutant, ...] = (
         fault="a sub-layer's prologue joins the region only where it leaves strictly fewer bytes (a bf16 norm of a "
         "bf16 x stays after the gather, on all T rows)",
         file="hcpasses/passes/sp_rewrite/region.py",
-        old="""        return grown if grown and sum(after) <= before else set()
+        old="""        return grown if sum(after) <= before else set()
 """,
-        new="""        return grown if grown and sum(after) < before else set()
+        new="""        return grown if sum(after) < before else set()
 """,
         tests=("tests/test_sp_prologue.py",),
         k="as_many",

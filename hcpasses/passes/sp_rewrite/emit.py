@@ -131,11 +131,8 @@ class _Emitter:
             return self.graph.call_function(SHARD_ROWS, (value, self.rank, self.tp, k))
         flat = self._flatten_tokens(value, k, rest)
         padded = self._pad_rows(flat, 1 + len(rest))
-        if isinstance(self.rows, int):
-            begin, end = self.rank * self.rows, (self.rank + 1) * self.rows
-        else:
-            begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)
-            end = self.rows if self.rank == 0 else _node(_proxy(self.rows) * (self.rank + 1))
+        begin = 0 if self.rank == 0 else _node(_proxy(self.rows) * self.rank)  # ints stay ints
+        end = self.rows if self.rank == 0 else _node(_proxy(self.rows) * (self.rank + 1))
         rows = self.graph.call_function(aten.slice.Tensor, (padded, 0, begin, end))
         if k == 1:
             return rows

@@ -337,16 +337,15 @@ class _RegionBuilder:
         region where that leaves no more bytes per token to gather: on the shards they run on 1/tp of the rows, and
         the gather moves the value they leave, narrower or as wide (Megatron's sequence parallelism runs its norms
         on the shards too). As wide counts: a bf16 norm of a bf16 x left on the gathered rows ran on all T rows of
-        every rank (qwen4_exp's and deepseek_v4's bf16 sub-layer norms: a kernel over T rows per sub-layer that the
-        hand-written SP runs on T/tp).
+        every rank (deepseek_v4's bf16 input norms: a kernel over T rows per sub-layer that the hand-written SP runs
+        on T/tp).
 
         A step is pointwise, a reduction, a view or a dim op of the leading dims (no GEMM, no token index: a GEMM's
         weight may be a TP shard, whose rows would differ between ranks), reading region values and values without
         tokens alone (a norm's weight: replicated like the HC weights, DESIGN §3). From every such step, steps are
         dropped while one that outside nodes read is wider than what gathering its inputs instead would cost, or as
         wide and no arithmetic (``_narrows``; with what it feeds); then all, unless the gather leaves more bytes per
-        token. Nodes the checks
-        ``refused`` and what they feed stay outside."""
+        token. Nodes the checks ``refused`` and what they feed stay outside."""
         grown: set[fx.Node] = set()
         for node in self.graph.nodes:
             if node in region or node in refused or not _is_prologue_step(node):
@@ -365,7 +364,7 @@ class _RegionBuilder:
         inside = region | grown
         after = [_row_bytes(node, self.rules) for node in feeding | grown if _read_outside(node, inside)]
         before = sum(_row_bytes(node, self.rules) for node in feeding)
-        return grown if grown and sum(after) <= before else set()
+        return grown if sum(after) <= before else set()
 
     def _fed_by(self, nodes: set[fx.Node], steps: set[fx.Node]) -> set[fx.Node]:
         """``nodes`` and the ``steps`` that read them through steps (not the later blocks' steps, which read them
