@@ -5,7 +5,7 @@
 # flash-linear-attention, fla-core, einops wheels; `pip download --no-deps` each), results under $OUT:
 #
 #     bash benchmarks/gpu_session.sh tests      # GPU test files, then the fla test alone (about 220 s)
-#     bash benchmarks/gpu_session.sh prefill    # deepseek_v4 tp 8 (the SP prologue), qwen4_exp FP8 tp 4 (host time)
+#     bash benchmarks/gpu_session.sh prefill    # deepseek_v4 and qwen4_exp bf16 tp 8, T = 16384, three variants each
 #     bash benchmarks/gpu_session.sh scans      # blocked_scans: the scan alone (a copy, then transformers' n-gram
 #                                               # module), then qwen4_exp bf16 tp 8 per kernel
 #     bash benchmarks/gpu_session.sh scans-quick  # blocked_scans' GPU tests, the copy at two lengths, the module once
@@ -65,12 +65,14 @@ tests)
         tests/real_models/test_delta_rule_op.py -k flash_linear 2>&1 | tee "$out/fla.log" | tail -3
     ;;
 prefill)
-    bench="python3 benchmarks/prefill_hf.py --tokens 16384 --warmup 1 --repeats 3 --out $out"
-    PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 170 $bench --models deepseek_v4 --dtypes bf16 --tp 8 \
-        --variants sp_off,hcpasses_sp --tag ds2_prologue_tp8_$gpu 2>&1 | tee "$out/ds.log" | grep -E "^(deep|case)"
-    PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 200 $bench --models qwen4_exp --layers 3 --dtypes fp8 \
-        --tp 4 --variants sp_off,hcpasses_sp,handwritten_sp --tag q3_fp8_tp4_host_$gpu 2>&1 | tee "$out/q.log" \
-        | grep -E "^(qwen|case)"
+    # re-measures after 1333912 (deepseek_v4's input norms on the shards) and 4ea8d31 (the start's shard a slice)
+    bench="python3 benchmarks/prefill_hf.py --tokens 16384 --warmup 1 --repeats 5 --out $out"
+    PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 200 $bench --models deepseek_v4 --layers 2 --dtypes bf16 \
+        --tp 8 --variants sp_off,hcpasses_sp,handwritten_sp --tag ds2_prologue_bf16_tp8_$gpu 2>&1 | tee "$out/ds.log" \
+        | grep -E "^(deep|case)|vs hand|compute gain"
+    PYTHONPATH=/tmp/site_fla:/tmp/site:.:benchmarks timeout 220 $bench --models qwen4_exp --layers 3 --dtypes bf16 \
+        --tp 8 --variants sp_off,hcpasses_sp,handwritten_sp --tag q3_slice_bf16_tp8_$gpu 2>&1 | tee "$out/q.log" \
+        | grep -E "^(qwen|case)|vs hand|compute gain"
     ;;
 scans)
     PYTHONPATH=/tmp/site:. timeout 150 python3 benchmarks/blocked_scans.py --out "$out/blocked_scans_$gpu.json" 2>&1 \
