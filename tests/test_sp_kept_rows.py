@@ -21,6 +21,7 @@ from hcpasses.config import HCPassesConfig
 LAYERS = 2
 ALL_GATHERS = 2 * LAYERS + 1  # each sub-layer's x, and the final mixer's (its kept rows, or all)
 GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+aten = torch.ops.aten
 
 
 def ids_of(tokens: int) -> torch.Tensor:
@@ -62,6 +63,14 @@ def gathered_rows(gm: torch.fx.GraphModule) -> list[int]:
     return [node.args[0].meta["val"].shape[0] for node in gm.graph.nodes if node.target is GATHER]
 
 
+def kept_row_ops(gm: torch.fx.GraphModule) -> tuple[Any, Any]:
+    """What sends this rank's kept rows to the last all-gather, and what picks them out of its result."""
+    *_, gather = (node for node in gm.graph.nodes if node.target is GATHER)
+    [wait] = gather.users
+    [pick] = wait.users
+    return gather.args[0].target, pick.target
+
+
 # tokens, tp, keep: the last row on the last rank (even), on a rank before padding-only ones (7 at tp 4: R = 2,
 # row 6 on rank 3; 9 at tp 4: R = 3, row 8 on rank 2, rank 3 pads), and kept rows held by two ranks (14 at tp 4:
 # R = 4, rows 11..13 on ranks 2 and 3)
@@ -79,6 +88,9 @@ def test_only_the_kept_rows_are_gathered_after_a_final_norm_on_the_shards(tokens
         assert collective_counts(gm) == {"all_reduce": 0, "reduce_scatter": 2 * LAYERS, "all_gather": ALL_GATHERS}
         # the sub-layers' x as before (R rows each), then the kept rows alone
         assert gathered_rows(gm) == [rows] * (2 * LAYERS) + [keep], gathered_rows(gm)
+        # one row of a static N: sent and picked by slices (views), several by an index (a copy after the gather)
+        expected = (aten.slice.Tensor,) * 2 if keep == 1 else (aten.index.Tensor,) * 2
+        assert kept_row_ops(gm) == expected, kept_row_ops(gm)
     assert_exact(sharded, tokens, keep, "norm")
 
 

@@ -370,9 +370,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="kept_row_from_the_first_rank",
         fault="an exit's kept rows are taken from rank 0's block of the small gather, whichever rank holds them",
         file="hcpasses/passes/sp_rewrite/emit.py",
-        old="""            owner = call(aten.div.Tensor_mode, (rows, self.rows), {"rounding_mode": "floor"})
+        old="""                owner = call(aten.div.Tensor_mode, (rows, self.rows), {"rounding_mode": "floor"})
 """,
-        new="""            owner = call(aten.mul.Tensor, (rows, 0))  # "the gathered rows are in order"
+        new="""                owner = call(aten.mul.Tensor, (rows, 0))  # "the gathered rows are in order"
 """,
         tests=("tests/test_sp_kept_rows.py",),
         k="only_the_kept_rows",
@@ -424,10 +424,10 @@ MUTANTS: tuple[Mutant, ...] = (
         fault="an FP8 exit's kept rows travel as FP8, which gloo cannot send, instead of bytes",
         file="hcpasses/passes/sp_rewrite/emit.py",
         old="""            source = call(aten.view.dtype, (node, torch.uint8)) if exit_.as_bytes else node
-            local = call(aten.remainder.Scalar, (rows, self.rows))
+            flat = self._flatten_tokens(source, k, rest)
 """,
         new="""            source = node  # "the all-gather moves any dtype"
-            local = call(aten.remainder.Scalar, (rows, self.rows))
+            flat = self._flatten_tokens(source, k, rest)
 """,
         tests=("tests/test_sp_kept_rows.py",),
         k="fp8",
@@ -463,6 +463,26 @@ MUTANTS: tuple[Mutant, ...] = (
         new="""        return self.graph.call_function(aten.constant_pad_nd.default, (flat, pad, 1.0))
 """,
         tests=("tests/test_sp_rewrite.py::test_a_symbolic_token_count_shards_by_a_slice_of_the_padded_rows",),
+    ),
+    Mutant(
+        name="kept_row_picked_from_rank_zero",
+        fault="one kept row of a static N is picked from rank 0's block of the gather, not from the rank holding it",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""                picked = call(aten.slice.Tensor, (gathered, 0, row // self.rows, row // self.rows + 1))
+""",
+        new="""                picked = call(aten.slice.Tensor, (gathered, 0, 0, 1))
+""",
+        tests=("tests/test_sp_kept_rows.py::test_only_the_kept_rows_are_gathered_after_a_final_norm_on_the_shards",),
+    ),
+    Mutant(
+        name="kept_row_sent_from_the_first_local_row",
+        fault="every rank sends its first row for one kept row of a static N, not the row's place in its shard",
+        file="hcpasses/passes/sp_rewrite/emit.py",
+        old="""                mine = call(aten.slice.Tensor, (flat, 0, row % self.rows, row % self.rows + 1))
+""",
+        new="""                mine = call(aten.slice.Tensor, (flat, 0, 0, 1))
+""",
+        tests=("tests/test_sp_kept_rows.py::test_only_the_kept_rows_are_gathered_after_a_final_norm_on_the_shards",),
     ),
     Mutant(
         name="qsa_batched_scores_unseen_blocks",

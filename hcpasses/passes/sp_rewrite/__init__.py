@@ -35,7 +35,9 @@ How the region is found:
       h[R] -> final mixer -> norm -> all_gather(row r % R of each kept row r) -> the holders' rows [K] -> lm_head
 
   Only where the tp * K rows are fewer than N (with a symbolic N: than ``sp_min_tokens``, which must also leave the
-  slice its rows; the graph asserts it). The report names the slices that read every row all the same, and why,
+  slice its rows; the graph asserts it). One kept row of a static N (``logits_to_keep=1`` at prefill) is sent and
+  picked by two slices (views: the GEMM reads the gathered row in place); several, or a symbolic N, by an index.
+  The report names the slices that read every row all the same, and why,
   and so a tensor index that picks a few rows (``hidden[arange(B), lengths - 1]``): its rows are a run-time value.
 - Prologues (``region._prologue``): row-local steps between a region value and the sub-layer's GEMMs (an RMS norm
   and its cast to the GEMM's dtype, after an mHC collapse summed in fp32) run on the shards where that leaves fewer

@@ -256,7 +256,8 @@ class _Emitter:
 
         Every rank sends its copy of each kept row, row % R of its rows (where it does not hold the row, another of
         its rows stands in), in one all-gather of tp blocks of K rows; kept row j is row j of the block of the rank
-        that holds it, block ``row // R``. A symbolic N must give the dim the rows the slice keeps: the graph
+        that holds it, block ``row // R``. One row of a static N is sent and picked by slices, several by an index
+        (``_one_static_row``). A symbolic N must give the dim the rows the slice keeps: the graph
         asserts it (the analysis made sure every N >= sp_min_tokens does)."""
         k, val = kept.k, value_of(exit_.value)
         rest, group = list(val.shape[k:]), self.region.group.arg
@@ -267,17 +268,24 @@ class _Emitter:
                 enough = call(operator.ge, (sizes[kept.dim], kept.least))
                 why = f"hcpasses SP: a slice keeps rows up to {kept.least} of a token dim, which is shorter"
                 call(aten._assert_scalar.default, (enough, why))
-            rows = self._kept_token_rows(sizes, kept, val.device)
             # FP8 codes travel as bytes (gloo has no FP8)
             source = call(aten.view.dtype, (node, torch.uint8)) if exit_.as_bytes else node
-            local = call(aten.remainder.Scalar, (rows, self.rows))
-            mine = call(aten.index.Tensor, (self._flatten_tokens(source, k, rest), [local]))
-            gathered = call(WAIT, (call(c10d.all_gather_into_tensor.default, (mine, self.tp, group)),))
-            owner = call(aten.div.Tensor_mode, (rows, self.rows), {"rounding_mode": "floor"})
-            block = call(aten.mul.Tensor, (owner, kept.rows))
-            picked = call(
-                aten.index.Tensor, (gathered, [call(aten.add.Tensor, (block, self._iota(kept.rows, val.device)))])
-            )
+            flat = self._flatten_tokens(source, k, rest)
+            row = _one_static_row(sizes, kept, self.rows)
+            if row is not None:  # logits_to_keep=1 at a static N: two views, no copy after the gather
+                mine = call(aten.slice.Tensor, (flat, 0, row % self.rows, row % self.rows + 1))
+                gathered = call(WAIT, (call(c10d.all_gather_into_tensor.default, (mine, self.tp, group)),))
+                picked = call(aten.slice.Tensor, (gathered, 0, row // self.rows, row // self.rows + 1))
+            else:
+                rows = self._kept_token_rows(sizes, kept, val.device)
+                local = call(aten.remainder.Scalar, (rows, self.rows))
+                mine = call(aten.index.Tensor, (flat, [local]))
+                gathered = call(WAIT, (call(c10d.all_gather_into_tensor.default, (mine, self.tp, group)),))
+                owner = call(aten.div.Tensor_mode, (rows, self.rows), {"rounding_mode": "floor"})
+                block = call(aten.mul.Tensor, (owner, kept.rows))
+                picked = call(
+                    aten.index.Tensor, (gathered, [call(aten.add.Tensor, (block, self._iota(kept.rows, val.device)))])
+                )
             picked = call(aten.view.dtype, (picked, val.dtype)) if exit_.as_bytes else picked
             token_sizes = [kept.count if d == kept.dim else sizes[d] for d in range(k)]  # ints: K is static
             if kept.drops_dim:  # a select: its result has no such dim
@@ -312,6 +320,16 @@ class _Emitter:
         be emitted here)."""
         kwargs = {"start": start, "step": step, "dtype": torch.int64, "device": device, "requires_grad": False}
         return self.graph.call_function(torch.ops.prims.iota.default, (count,), kwargs)
+
+
+def _one_static_row(sizes: list[Any], kept: KeptRows, rows_per_rank: Any) -> int | None:
+    """The flattened token row ``kept`` keeps where it keeps one row of static token sizes; else None. (One row
+    only: the local rows of several, ``row % R``, need not be one run, and an index gives Inductor a copy after the
+    gather, one kernel the hand-written SP does not run; a symbolic row's slice bounds would add guards.)"""
+    if kept.rows != 1 or not isinstance(rows_per_rank, int) or not all(isinstance(size, int) for size in sizes):
+        return None
+    # one kept row: every other token dim has one row, so the kept index along ``dim`` is the flattened row
+    return sizes[kept.dim] - kept.first if kept.from_end else kept.first
 
 
 def _replace_uses(old: fx.Node, new: Any) -> None:
