@@ -53,7 +53,14 @@ def assert_exact(sharded: RankGraphs, tokens: int, keep: int, tail: str) -> None
     ids = ids_of(tokens)
     with torch.no_grad():
         expected = model(keep, tail)(ids)
-    rows = {"select": 64, "both": 2 * min(keep, tokens)}.get(tail, min(keep, tokens))  # select: [vocab] logits
+    # select: [vocab] logits; sequences: [B, keep, vocab]
+    rows = {
+        "select": 64,
+        "select_before_last": 64,
+        "both": 2 * min(keep, tokens),
+        "two_sequences": 2,
+        "one_sequence": 1,
+    }.get(tail, min(keep, tokens))
     assert expected.shape[0] == rows
     assert_exact_at(sharded, ids, expected)
 
@@ -203,14 +210,34 @@ def test_fp8_codes_and_scales_are_gathered_in_their_kept_rows_as_bytes() -> None
     assert_exact(sharded, 10, 1, "fp8")
 
 
-@pytest.mark.parametrize(("tail", "keep"), [("select", 1), ("before_last", 2)])
+@pytest.mark.parametrize(("tail", "keep"), [("select", 1), ("select_before_last", 1), ("before_last", 2)])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_select_of_the_last_row_or_rows_before_it_are_gathered_alone(tail: str, keep: int, dynamic: bool) -> None:
-    """``hidden[-1]`` (a select, not a slice) keeps one row, ``hidden[-3:-1]`` two counted from the end: each is
-    gathered alone, at a static and a symbolic token count."""
+    """``hidden[-1]`` and ``hidden[-2]`` (selects, not slices) keep one row, ``hidden[-3:-1]`` two counted from the
+    end: each is gathered alone, at a static and a symbolic token count."""
     sharded = capture(keep, tail, 11, 2, min_tokens=5, dynamic=dynamic)
     sp = sharded.report.record("sp_rewrite")
     assert (sp.facts["cuts"], sp.facts["kept_rows_gathers"]) == (0, 1) and sp.facts["tail"] > 0, sp.notes
     assert all(gathered_rows(gm)[-1] == keep for gm in sharded.graphs)
     for tokens in (11, 5, 8) if dynamic else (11,):
         assert_exact(sharded, tokens, keep, tail)
+
+
+# tail, keep, tokens, tp: [1, T, S] (transformers' layout) with row 8 on rank 2 of 4 (R = 3; rank 3 holds padding),
+# the last row of each of two sequences (rows 7 and 15: one per rank), and the last two of each (rows 4, 5, 10, 11)
+@pytest.mark.parametrize(
+    ("tail", "keep", "tokens", "tp"),
+    [("one_sequence", 1, 9, 4), ("two_sequences", 1, 16, 2), ("two_sequences", 2, 12, 2)],
+)
+def test_the_last_rows_of_each_sequence_are_gathered_alone(tail: str, keep: int, tokens: int, tp: int) -> None:
+    """Two token dims (the rows viewed as sequences, ``[B, T/B, S]``), the slice along the second: the kept rows are
+    B * keep rows of the flattened tokens, gathered alone; one row by slices, several by an index."""
+    sharded = capture(keep, tail, tokens, tp)
+    sp = sharded.report.record("sp_rewrite")
+    assert (sp.facts["cuts"], sp.facts["kept_rows_gathers"]) == (0, 1) and sp.facts["tail"] > 0, sp.notes
+    sequences = 2 if tail == "two_sequences" else 1
+    for gm in sharded.graphs:
+        assert gathered_rows(gm)[-1] == sequences * keep, gathered_rows(gm)
+        expected = (aten.slice.Tensor,) * 2 if sequences * keep == 1 else (aten.index.Tensor,) * 2
+        assert kept_row_ops(gm) == expected, kept_row_ops(gm)
+    assert_exact(sharded, tokens, keep, tail)

@@ -142,9 +142,14 @@ class SwiGLU(nn.Module):
 
 WINDOWS = ("front_pad", "own_padding", "centred")
 # before the kept rows: a final RMS norm (row-local), centring over the tokens (not), both side by side, or the norm
-# quantised per token to FP8 (the kept rows of its codes and scales dequantised), the norm's last row selected, its
-# ``keep`` rows before the last one, or its last ``keep`` rows picked by a tensor index
-TAILS = ("norm", "centred", "both", "fp8", "select", "before_last", "index")
+# quantised per token to FP8 (the kept rows of its codes and scales dequantised), the norm's last row or the one
+# before it selected, its ``keep`` rows before the last one, its last ``keep`` rows picked by a tensor index, or the
+# last ``keep`` rows of each sequence after a view of the tokens as sequences: two (``[2, T/2, S]``) or one
+# (``[1, T, S]``, transformers' layout)
+TAILS = (
+    "norm", "centred", "both", "fp8", "select", "select_before_last", "before_last", "index",
+    "two_sequences", "one_sequence",
+)  # fmt: skip
 # what a sub-layer does to its HC block's x before its GEMMs: nothing; an RMS norm cast to the bf16 of the sub-layer's
 # weights (narrower than the fp32 x); the norm in fp32 (no narrower); the bf16 norm beside a gate that reads x itself
 # through a scan (x is gathered for it anyway); centring over the tokens, then the bf16 cast (not row-local)
@@ -203,7 +208,7 @@ class UserHC(nn.Module):
     def kept_rows(self, out: torch.Tensor) -> torch.Tensor:
         """The last ``keep`` rows of the final mixer's output ``[T, S]``: RMS-normed, centred over the tokens, both
         (``[2*keep, S]``), RMS-normed through FP8 codes and scales, the RMS-normed last row selected or the ``keep``
-        rows before it."""
+        rows before it, or the last ``keep`` rows of each sequence (``[B, keep, S]``)."""
         if self.tail == "norm":
             return norm_rsqrt(out, self.final_norm, 1e-6)[-self.keep :]
         if self.tail == "centred":
@@ -212,10 +217,15 @@ class UserHC(nn.Module):
             return torch.cat([norm_rsqrt(out, self.final_norm, 1e-6)[-self.keep :], (out - out.mean(0))[-self.keep :]])
         if self.tail == "select":  # hidden[-1]: the last row alone, [S] (``keep`` is 1)
             return norm_rsqrt(out, self.final_norm, 1e-6)[-1]
+        if self.tail == "select_before_last":  # hidden[-2]: the row before the last alone, [S] (``keep`` is 1)
+            return norm_rsqrt(out, self.final_norm, 1e-6)[-2]
         if self.tail == "before_last":  # hidden[-1 - keep : -1]
             return norm_rsqrt(out, self.final_norm, 1e-6)[-1 - self.keep : -1]
         if self.tail == "index":  # hidden[indices]: the last ``keep`` rows by a tensor index (a ragged batch's way)
             return norm_rsqrt(out, self.final_norm, 1e-6)[torch.arange(out.shape[0] - self.keep, out.shape[0])]
+        if self.tail in ("two_sequences", "one_sequence"):  # [B, keep, S]: two token dims, the slice along the second
+            sequences = out.view(2 if self.tail == "two_sequences" else 1, -1, out.shape[-1])
+            return norm_rsqrt(sequences, self.final_norm, 1e-6)[:, -self.keep :]
         if self.tail == "fp8":
             codes, scales = quant_reference(norm_rsqrt(out, self.final_norm, 1e-6))
             return (codes[-self.keep :].float() * scales[-self.keep :]).to(out.dtype)

@@ -7,6 +7,7 @@
     python tests/mutants/mutmut_score.py --scope passes  # canonical_forms.py and the SP region analysis (slower tests)
     python tests/mutants/mutmut_score.py --scope scans   # blocked_scans.py, judged by tests/test_blocked_scans.py
     python tests/mutants/mutmut_score.py --scope region  # sp_rewrite/region.py alone
+    python tests/mutants/mutmut_score.py --scope emit    # sp_rewrite/emit.py and kept.py
 
 Runs ``mutmut run`` from the repository root (mutmut writes its copy to ``mutants/``, ignored by git), reads each
 mutant's status back with ``mutmut results --all true``, and prints the score per module and the survivors, each
@@ -52,6 +53,15 @@ SCOPES: dict[str, dict[str, list[str]]] = {
             "tests/test_sp_layouts.py",
             "tests/test_sp_seq_split.py",
             "tests/test_sp_parts.py",
+        ],
+    },
+    # the SP emission and the kept-rows analysis, judged by the tests that read the emitted graphs and run them
+    "emit": {
+        "only_mutate": ["hcpasses/passes/sp_rewrite/emit.py", "hcpasses/passes/sp_rewrite/kept.py"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_sp_parts.py",
+            "tests/test_sp_kept_rows.py",
+            "tests/test_sp_windows.py",
         ],
     },
     "scans": {
