@@ -328,8 +328,9 @@ def _one_static_row(sizes: list[Any], kept: KeptRows, rows_per_rank: Any) -> int
     gather, one kernel the hand-written SP does not run; a symbolic row's slice bounds would add guards.)"""
     if kept.rows != 1 or not isinstance(rows_per_rank, int) or not all(isinstance(size, int) for size in sizes):
         return None
-    # one kept row: every other token dim has one row, so the kept index along ``dim`` is the flattened row
-    return sizes[kept.dim] - kept.first if kept.from_end else kept.first
+    # one kept row: every other token dim has one row, so the kept index along ``dim`` is the flattened row; counted
+    # from the start, as ``kept_rows`` gives it for a dim of static size
+    return kept.first
 
 
 def _replace_uses(old: fx.Node, new: Any) -> None:
