@@ -6,6 +6,7 @@
     python tests/mutants/mutmut_score.py --floor 90      # fail below this score (percent)
     python tests/mutants/mutmut_score.py --scope passes  # canonical_forms.py and the SP region analysis (slower tests)
     python tests/mutants/mutmut_score.py --scope scans   # blocked_scans.py, judged by tests/test_blocked_scans.py
+    python tests/mutants/mutmut_score.py --scope canonical  # canonical_forms.py alone, judged by the spelling tests
     python tests/mutants/mutmut_score.py --scope region  # sp_rewrite/region.py alone
     python tests/mutants/mutmut_score.py --scope emit    # sp_rewrite/emit.py and kept.py
 
@@ -40,6 +41,15 @@ SCOPES: dict[str, dict[str, list[str]]] = {
             "tests/test_canonical.py",
             "tests/test_sp_parts.py",
             "tests/test_sp_region.py",
+        ],
+    },
+    # the canonical forms alone, judged by the tests that feed it the spellings of public code (graphs through Inductor)
+    "canonical": {
+        "only_mutate": ["hcpasses/passes/canonical_forms.py"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_canonical.py",
+            "tests/test_spellings.py",
+            "tests/test_mhc_spellings.py",
         ],
     },
     # the SP region analysis alone (half the passes scope's mutants), judged by the analysis tests on captured graphs
