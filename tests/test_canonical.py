@@ -87,6 +87,20 @@ def upcast_into_product_not_summed(x: torch.Tensor) -> torch.Tensor:
     return x[:, :4].sigmoid().unsqueeze(-1) * x.bfloat16().float().view(5, 4, 8)
 
 
+def amax_of_signed_then_upcast(x: torch.Tensor) -> torch.Tensor:  # no abs: not a quant's amax, left alone
+    return x.bfloat16().neg().amax(-1, keepdim=True).float()
+
+
+def abs_read_twice_then_upcast(x: torch.Tensor) -> torch.Tensor:  # the bf16 abs has another reader: left alone
+    magnitude = x.bfloat16().abs()
+    return magnitude.amax(-1, keepdim=True).float() + magnitude.float()
+
+
+def amax_then_upcast_beside_a_double(x: torch.Tensor) -> torch.Tensor:  # x's float64 convert is no f32 upcast
+    low = x.bfloat16()
+    return low.abs().amax(-1, keepdim=True).float() + low.double().sum(-1, keepdim=True).float()
+
+
 # (spelling, rewrites expected)
 CASES: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = [
     (max_values, 1),
@@ -100,7 +114,21 @@ CASES: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = [
     (gate_indexed_none_not_summed, 0),
     (upcast_streams_into_gated_sum, 1),
     (upcast_into_product_not_summed, 0),
+    (amax_of_signed_then_upcast, 0),
+    (abs_read_twice_then_upcast, 0),
+    (amax_then_upcast_beside_a_double, 1),
 ]
+
+
+def assert_meta_is_what_the_graph_computes(gm: torch.fx.GraphModule, *args: torch.Tensor) -> None:
+    """Every node's ``meta["val"]`` (which later passes read, as Inductor does) has the shape and dtype that
+    propagating the inputs through the rewritten graph gives it."""
+    recorded = {node: node.meta.get("val") for node in gm.graph.nodes if node.op == "call_function"}
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*args)
+    for node, val in recorded.items():
+        want = node.meta["val"]
+        assert isinstance(val, torch.Tensor), f"{node.name} ({node.target}) has no fake value"
+        assert (tuple(val.shape), val.dtype) == (tuple(want.shape), want.dtype), (node.name, val, want)
 
 
 @pytest.mark.parametrize(("spelling", "rewrites"), CASES, ids=[f.__name__ for f, _ in CASES])
@@ -114,9 +142,35 @@ def test_each_rewrite_fires_on_its_spelling_and_keeps_every_bit(spelling: Callab
     gm.recompile()
     gm.graph.lint()
     assert result.applied == rewrites == len(result.notes), result
+    assert_meta_is_what_the_graph_computes(gm, inputs[0])
     for x, want in zip(inputs, before, strict=True):
         got = gm(x)
         assert torch.equal(got, want) and got.dtype == want.dtype
+
+
+def keepdim_by_name(gm: torch.fx.GraphModule, target: object) -> None:
+    """Pass ``keepdim`` to the first ``target`` node by name, as a graph built by hand (or another pass) may."""
+    node = next(n for n in gm.graph.nodes if n.target is target)
+    *args, keepdim = node.args
+    node.args, node.kwargs = tuple(args), {"keepdim": keepdim}
+    gm.recompile()
+
+
+@pytest.mark.parametrize(
+    ("spelling", "target"),
+    [(max_values, torch.ops.aten.max.dim), (amax_then_upcast, torch.ops.aten.amax.default)],
+    ids=["max_values", "amax_then_upcast"],
+)
+def test_a_keepdim_passed_by_name_is_kept(spelling: Callable, target: object) -> None:
+    x = torch.randn(5, 32) * 100
+    gm = post_grad_like(spelling, x)
+    keepdim_by_name(gm, target)
+    want = gm(x)
+    assert CanonicalForms().run(gm.graph, HCPassesConfig()).applied == 1
+    gm.recompile()
+    assert_meta_is_what_the_graph_computes(gm, x)
+    got = gm(x)
+    assert got.shape == want.shape and torch.equal(got, want)
 
 
 def test_collapse_left_in_fp32_by_torch_211_still_fuses() -> None:
@@ -178,11 +232,31 @@ def test_per_token_bmm_becomes_the_gated_sum_within_its_rounding(
     gm.graph.lint()
     assert result.applied == rewrites == len(result.notes), result
     assert any(n.target is torch.ops.aten.bmm.default for n in gm.graph.nodes) == (rewrites == 0)
+    assert_meta_is_what_the_graph_computes(gm, inputs[0])
     tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[dtype]
     for x, want in zip(inputs, before, strict=True):
         got = gm(x)
         assert got.dtype == want.dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def matmul_collapse_in_batch_layout(x: torch.Tensor) -> torch.Tensor:  # viewed back to [batch, seq, S]
+    return torch.matmul(x[:, :4].softmax(-1).view(5, 1, 4), x.view(5, 4, 8)).view(1, 5, 8)
+
+
+@pytest.mark.parametrize("spelling", [matmul_collapse, matmul_collapse_in_batch_layout], ids=lambda f: f.__name__)
+def test_the_gated_sum_is_computed_in_the_layout_the_bmm_is_viewed_back_to(spelling: Callable) -> None:
+    """The docstring's promise: the gates and streams are viewed to the result's token layout, so that what
+    reads the collapse (a quant, SP's exit) reads the sum itself, not a reshape of a ``[B, 1, S]`` sum."""
+    x = torch.randn(5, 32)
+    gm = post_grad_like(spelling, x)
+    want = gm(x)
+    assert CanonicalForms().run(gm.graph, HCPassesConfig()).applied == 1
+    gm.recompile()
+    result = gm.graph.output_node().args[0]  # the one value the spelling returns
+    assert result.target is torch.ops.aten.sum.dim_IntList, gm.graph
+    assert tuple(result.meta["val"].shape) == tuple(want.shape)
+    torch.testing.assert_close(gm(x), want, rtol=1e-6, atol=1e-6)
 
 
 def test_mhc_collapse_whose_rounding_torch_211_folds_is_found_not_fused() -> None:
