@@ -87,6 +87,10 @@ def upcast_into_product_not_summed(x: torch.Tensor) -> torch.Tensor:
     return x[:, :4].sigmoid().unsqueeze(-1) * x.bfloat16().float().view(5, 4, 8)
 
 
+def upcast_after_the_stream_view(x: torch.Tensor) -> torch.Tensor:  # convert(view(h)): no reshape to redo
+    return (x[:, :4].sigmoid().unsqueeze(-1) * x.bfloat16().view(5, 4, 8).float()).sum(-2)
+
+
 def amax_of_signed_then_upcast(x: torch.Tensor) -> torch.Tensor:  # no abs: not a quant's amax, left alone
     return x.bfloat16().neg().amax(-1, keepdim=True).float()
 
@@ -114,6 +118,7 @@ CASES: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = [
     (gate_indexed_none_not_summed, 0),
     (upcast_streams_into_gated_sum, 1),
     (upcast_into_product_not_summed, 0),
+    (upcast_after_the_stream_view, 1),
     (amax_of_signed_then_upcast, 0),
     (abs_read_twice_then_upcast, 0),
     (amax_then_upcast_beside_a_double, 1),
@@ -129,6 +134,8 @@ def assert_meta_is_what_the_graph_computes(gm: torch.fx.GraphModule, *args: torc
         want = node.meta["val"]
         assert isinstance(val, torch.Tensor), f"{node.name} ({node.target}) has no fake value"
         assert (tuple(val.shape), val.dtype) == (tuple(want.shape), want.dtype), (node.name, val, want)
+    dead = [node.name for node in gm.graph.nodes if not node.users and node.op == "call_function"]
+    assert not dead, f"the rewrite left nodes nothing reads: {dead}"
 
 
 @pytest.mark.parametrize(("spelling", "rewrites"), CASES, ids=[f.__name__ for f, _ in CASES])
@@ -205,6 +212,14 @@ def einsum_collapse(x: torch.Tensor) -> torch.Tensor:
     return torch.einsum("tn,tnd->td", x[:, :4].softmax(-1), x.view(5, 4, 8))
 
 
+def matmul_collapse_of_two_streams(x: torch.Tensor) -> torch.Tensor:  # n = 2, the fewest streams an HC has
+    return torch.matmul(x[:, :2].softmax(-1).view(5, 1, 2), x[:, :16].view(5, 2, 8)).view(5, 8)
+
+
+def matmul_collapse_at_one_token_each(x: torch.Tensor) -> torch.Tensor:  # [B, 1, S] used as it is (decode)
+    return torch.matmul(x[:, :4].softmax(-1).view(5, 1, 4), x.view(5, 4, 8))
+
+
 def attention_at_one_query(x: torch.Tensor) -> torch.Tensor:  # q @ k^T: k^T is a transpose, not streams
     return torch.matmul(x[:, None, :4], x.view(5, 8, 4).transpose(-1, -2)).view(5, 8)
 
@@ -214,7 +229,14 @@ def sixteen_row_product(x: torch.Tensor) -> torch.Tensor:  # n = 16 > MAX_STREAM
 
 
 # (spelling, rewrites expected): the one rewrite that may change the order of the n terms of a sum
-BMM_CASES = [(matmul_collapse, 1), (einsum_collapse, 1), (attention_at_one_query, 0), (sixteen_row_product, 0)]
+BMM_CASES = [
+    (matmul_collapse, 1),
+    (einsum_collapse, 1),
+    (matmul_collapse_of_two_streams, 1),
+    (matmul_collapse_at_one_token_each, 1),
+    (attention_at_one_query, 0),
+    (sixteen_row_product, 0),
+]
 
 
 @pytest.mark.parametrize(("spelling", "rewrites"), BMM_CASES, ids=[f.__name__ for f, _ in BMM_CASES])
