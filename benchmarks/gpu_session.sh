@@ -55,7 +55,8 @@ git log --oneline -1 2>/dev/null || true
 
 case "${1:-}" in
 tests)
-    # TESTS_TIMEOUT_S: a shorter bound when little device time is left (what the timeout cuts is named in the log)
+    # TESTS_TIMEOUT_S, FLA_TIMEOUT_S: shorter bounds when little device time is left (a cut run's log does not name
+    # the test it stopped in)
     PYTHONPATH=/tmp/site:.:tests timeout ${TESTS_TIMEOUT_S:-420} python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs \
         tests/test_gpu.py tests/test_kernels.py tests/test_quant_evaluation.py tests/real_models/test_compile.py \
         tests/real_models/test_sp_real.py tests/real_models/test_export_check.py \

@@ -130,9 +130,9 @@ CASES: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = [
 ]
 
 
-def assert_meta_is_what_the_graph_computes(gm: torch.fx.GraphModule, *args: torch.Tensor) -> None:
+def assert_fake_values_hold_and_nothing_is_dead(gm: torch.fx.GraphModule, *args: torch.Tensor) -> None:
     """Every node's ``meta["val"]`` (which later passes read, as Inductor does) has the shape and dtype that
-    propagating the inputs through the rewritten graph gives it."""
+    propagating the inputs through the rewritten graph gives it, and no node is left that nothing reads."""
     recorded = {node: node.meta.get("val") for node in gm.graph.nodes if node.op == "call_function"}
     FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*args)
     for node, val in recorded.items():
@@ -154,7 +154,7 @@ def test_each_rewrite_fires_on_its_spelling_and_keeps_every_bit(spelling: Callab
     gm.recompile()
     gm.graph.lint()
     assert result.applied == rewrites == len(result.notes), result
-    assert_meta_is_what_the_graph_computes(gm, inputs[0])
+    assert_fake_values_hold_and_nothing_is_dead(gm, inputs[0])
     if not rewrites:  # the report names every spelling the pass looked for
         assert result.reason == NOTHING_TO_REWRITE, result.reason
     for x, want in zip(inputs, before, strict=True):
@@ -182,7 +182,7 @@ def test_a_keepdim_passed_by_name_is_kept(spelling: Callable, target: object) ->
     want = gm(x)
     assert CanonicalForms().run(gm.graph, HCPassesConfig()).applied == 1
     gm.recompile()
-    assert_meta_is_what_the_graph_computes(gm, x)
+    assert_fake_values_hold_and_nothing_is_dead(gm, x)
     got = gm(x)
     assert got.shape == want.shape and torch.equal(got, want)
 
@@ -261,7 +261,7 @@ def test_per_token_bmm_becomes_the_gated_sum_within_its_rounding(
     gm.graph.lint()
     assert result.applied == rewrites == len(result.notes), result
     assert any(n.target is torch.ops.aten.bmm.default for n in gm.graph.nodes) == (rewrites == 0)
-    assert_meta_is_what_the_graph_computes(gm, inputs[0])
+    assert_fake_values_hold_and_nothing_is_dead(gm, inputs[0])
     tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[dtype]
     for x, want in zip(inputs, before, strict=True):
         got = gm(x)

@@ -118,8 +118,8 @@ GRAPH_ORDER = (
     "analysis does not edit the graph"
 )
 F32_OPERANDS = (
-    "the mul's operands are both fp32 wherever its first position is tried (the upcast and the gate): a break there "
-    "ends a loop that the continue would end one turn later, with nothing found"
+    "a rewrite at the second position needs the second operand to be an f32 upcast, so the first position's dtype "
+    "check skips only muls nothing rewrites: break ends the loop where continue would find nothing"
 )
 WHOLE_ROW = "a block of the whole row asks Inductor what the gate asked, which split: it never fits either way"
 
